@@ -1,0 +1,55 @@
+# specdec: every target sets up what it needs (virtual environment, pinned dependencies, generated code).
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+INSTALLED := $(VENV)/.installed
+PROTOS := $(wildcard protos/specdec/v1/*.proto)
+GENERATED := specdec/v1/.generated
+PAIR ?= default_models/pair
+PROMPT ?= def fibonacci(n):
+HOST ?= 127.0.0.1
+
+.PHONY: setup proto lint test run bench models evaluate clean
+
+setup: $(INSTALLED) $(GENERATED)
+
+$(INSTALLED): requirements.lock
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.lock
+	touch $@
+
+# Generated gRPC code: produced from protos/ by the build, never committed, never edited by hand.
+$(GENERATED): $(PROTOS) $(INSTALLED)
+	rm -rf specdec
+	$(PY) -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
+	touch $@
+
+proto: $(GENERATED)
+
+lint: setup
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
+	$(PY) -m mypy .
+
+test: lint
+	$(PY) -m pytest -q tests
+
+# A real speculative generation through three gRPC services on loopback, with the default pair.
+run: setup
+	$(PY) -m orchestrator.local_stack --target-model $(PAIR)/target --draft-model $(PAIR)/draft --prompt "$(PROMPT)"
+
+bench: setup
+	$(PY) -m bench
+
+# Retrain the default pair (about 40 minutes on 2 CPU cores); then `make evaluate` rewrites the model card.
+models: setup
+	$(PY) -m default_models.train --out $(PAIR)
+
+evaluate: setup
+	$(PY) -m default_models.evaluate --pair $(PAIR)
+
+clean:
+	rm -rf $(VENV) specdec .mypy_cache .ruff_cache .pytest_cache

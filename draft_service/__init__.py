@@ -1,0 +1,1 @@
+"""The draft service: hosts the small model and proposes K tokens per step."""

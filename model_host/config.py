@@ -1,0 +1,55 @@
+"""One configuration object per model service, parsed from flags and SPECDEC_* environment variables."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from serving.config import add_config_arguments
+
+
+@dataclass(frozen=True)
+class ModelServiceConfig:
+    """Settings of a draft or target service; the defaults live here and nowhere else."""
+
+    model: str = ""
+    host: str = "127.0.0.1"
+    port: int = 50051
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_sessions: int = 64
+    max_cached_tokens: int = 262_144
+    session_idle_timeout_s: float = 300.0
+    max_speculative_tokens: int = 16
+    metrics_port: int = 0
+    threads: int = 0
+    grace_period_s: float = 30.0
+    log_level: str = "info"
+
+
+_HELP: dict[str, str] = {
+    "model": "checkpoint: a local folder or a Hugging Face hub id (AutoModelForCausalLM)",
+    "host": "address to listen on (0.0.0.0 or :: in a container)",
+    "port": "gRPC port (0 picks a free one)",
+    "device": "cpu, cuda, cuda:N, or auto (spread over all GPUs with accelerate's device map)",
+    "dtype": "float32, float16, bfloat16, or auto (the checkpoint's dtype on GPU, float32 on CPU)",
+    "max_sessions": "most sessions held at once (RESOURCE_EXHAUSTED beyond)",
+    "max_cached_tokens": "most tokens cached over all sessions (RESOURCE_EXHAUSTED beyond)",
+    "session_idle_timeout_s": "an idle session's cache is freed after this many seconds",
+    "max_speculative_tokens": "largest K a draft request may ask for",
+    "metrics_port": "Prometheus metrics port (0 disables)",
+    "threads": "torch CPU threads (0 keeps torch's default)",
+    "grace_period_s": "seconds open sessions get to finish after SIGTERM",
+    "log_level": "debug, info, warning or error",
+}
+
+
+def parse_model_service_config(prog: str, argv: Sequence[str] | None = None) -> ModelServiceConfig:
+    parser = argparse.ArgumentParser(prog=prog, description=f"specdec {prog}")
+    add_config_arguments(parser, ModelServiceConfig, _HELP)
+    args = parser.parse_args(argv)
+    config = ModelServiceConfig(**vars(args))
+    if not config.model:
+        parser.error("--model is required (a local checkpoint folder or a hub id), or set SPECDEC_MODEL")
+    return config

@@ -1,0 +1,135 @@
+"""The session cache store: one KV cache per open session, with rollback, limits and idle expiry.
+
+A session lives exactly as long as its gRPC stream. Its cache is soft state: expiry or eviction drops
+the cache but keeps the session, whose next step then answers CACHE_MISS so that the orchestrator
+reopens it with the full sequence.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from transformers import DynamicCache, PretrainedConfig
+
+from serving.errors import resource_exhausted
+
+
+@dataclass
+class Session:
+    """One generation's cache on this service."""
+
+    session_id: str
+    request_id: str
+    cache: DynamicCache | None = None  # None until the first step, and after expiry or eviction
+    length: int = 0  # tokens held in `cache`
+    last_used: float = field(default=0.0)
+
+    @property
+    def held(self) -> bool:
+        return self.cache is not None
+
+
+class SessionStore:
+    """Thread-safe registry of sessions; bounds sessions and cached tokens (RESOURCE_EXHAUSTED beyond)."""
+
+    def __init__(
+        self,
+        model_config: PretrainedConfig,
+        max_sessions: int,
+        max_cached_tokens: int,
+        idle_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._model_config = model_config
+        self.max_sessions = max_sessions
+        self.max_cached_tokens = max_cached_tokens
+        self.idle_timeout_s = idle_timeout_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._sessions: dict[str, Session] = {}
+        self._ids = itertools.count(1)
+
+    def open(self, request_id: str) -> Session:
+        with self._lock:
+            self._expire_idle_locked()
+            if len(self._sessions) >= self.max_sessions:
+                raise resource_exhausted(
+                    f"this service holds its maximum of {self.max_sessions} sessions; retry later, "
+                    "add replicas, or raise --max-sessions"
+                )
+            session = Session(session_id=f"s{next(self._ids)}", request_id=request_id, last_used=self._clock())
+            self._sessions[session.session_id] = session
+            return session
+
+    def close(self, session: Session) -> None:
+        """Free the session's cache at once; safe to call twice."""
+        with self._lock:
+            self._sessions.pop(session.session_id, None)
+            session.cache = None
+            session.length = 0
+
+    def rollback(self, session: Session, keep: int) -> bool:
+        """Crop the cache to its first `keep` tokens. False (a cache miss) when it holds fewer."""
+        with self._lock:
+            session.last_used = self._clock()
+            if keep == 0:
+                session.cache = DynamicCache(config=self._model_config)
+                session.length = 0
+                return True
+            if session.cache is None or keep > session.length:
+                return False
+            if keep < session.length:
+                session.cache.crop(keep - session.length)  # transformers 5: a negative count drops tokens
+                session.length = keep
+            return True
+
+    def reserve(self, session: Session, new_length: int) -> None:
+        """Check that growing this session to `new_length` tokens stays within the token budget."""
+        with self._lock:
+            others = sum(s.length for s in self._sessions.values() if s is not session)
+            if others + new_length > self.max_cached_tokens:
+                raise resource_exhausted(
+                    f"caching {new_length} tokens for this session would exceed the service's budget of "
+                    f"{self.max_cached_tokens} tokens ({others} held by other sessions); retry later, add "
+                    "replicas, or raise --max-cached-tokens"
+                )
+
+    def record_length(self, session: Session, length: int) -> None:
+        with self._lock:
+            session.length = length
+            session.last_used = self._clock()
+
+    def evict_all(self) -> int:
+        """Drop every session's cache (their next steps answer CACHE_MISS); returns how many were held."""
+        with self._lock:
+            held = [s for s in self._sessions.values() if s.held]
+            for session in held:
+                session.cache = None
+                session.length = 0
+            return len(held)
+
+    def expire_idle(self) -> int:
+        with self._lock:
+            return self._expire_idle_locked()
+
+    def _expire_idle_locked(self) -> int:
+        deadline = self._clock() - self.idle_timeout_s
+        expired = [s for s in self._sessions.values() if s.held and s.last_used < deadline]
+        for session in expired:
+            session.cache = None
+            session.length = 0
+        return len(expired)
+
+    @property
+    def open_sessions(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    @property
+    def cached_tokens(self) -> int:
+        with self._lock:
+            return sum(s.length for s in self._sessions.values())

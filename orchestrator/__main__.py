@@ -1,0 +1,21 @@
+"""python -m orchestrator --target HOST:PORT [--draft HOST:PORT] --port N"""
+
+import asyncio
+
+from orchestrator.app import serve
+from orchestrator.config import parse_orchestrator_config
+from orchestrator.servicer import PairMismatch
+from serving.log_setup import configure_logging
+
+
+def main() -> None:
+    config = parse_orchestrator_config()
+    configure_logging(config.log_level)
+    try:
+        asyncio.run(serve(config))
+    except (PairMismatch, ConnectionError) as exc:
+        raise SystemExit(f"orchestrator: {exc}") from exc
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The orchestrator's configuration object, parsed from flags and SPECDEC_* environment variables."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from serving.config import add_config_arguments
+
+POLICIES = ("fixed", "heuristic", "cost_model")
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """Settings of the orchestrator; the defaults live here and nowhere else."""
+
+    target: str = ""
+    draft: str = ""
+    host: str = "127.0.0.1"
+    port: int = 50050
+    tokenizer: str = ""
+    max_new_tokens_cap: int = 4096
+    max_speculative_tokens: int = 16
+    num_speculative_tokens: int = 4
+    speculation_policy: str = "fixed"
+    overlap_drafting: bool = False
+    min_confidence: float = 0.0
+    draft_timeout_s: float = 10.0
+    draft_retry_after_s: float = 5.0
+    target_attempts: int = 4
+    target_backoff_s: float = 0.25
+    startup_timeout_s: float = 120.0
+    resolve_interval_s: float = 30.0
+    max_concurrent_requests: int = 256
+    metrics_port: int = 0
+    grace_period_s: float = 30.0
+    log_level: str = "info"
+
+
+_HELP: dict[str, str] = {
+    "target": "target replicas: HOST:PORT[,HOST:PORT...] or dns:///NAME:PORT (a headless Service)",
+    "draft": "draft replicas, as --target; empty decodes with the target alone",
+    "host": "address to listen on (0.0.0.0 or :: in a container)",
+    "port": "gRPC port for clients (0 picks a free one)",
+    "tokenizer": "tokenizer checkpoint; defaults to the target service's model",
+    "max_new_tokens_cap": "largest max_new_tokens a request may ask for",
+    "max_speculative_tokens": "largest num_speculative_tokens a request may ask for",
+    "num_speculative_tokens": "K for requests that leave it unset",
+    "speculation_policy": "how K changes between rounds: " + ", ".join(POLICIES),
+    "overlap_drafting": "draft the next block while the target verifies the current one",
+    "min_confidence": "the draft stops a block when its own token's probability is below this (0 never)",
+    "draft_timeout_s": "a draft step slower than this falls back to the target alone for the round",
+    "draft_retry_after_s": "seconds before an unavailable draft is tried again",
+    "target_attempts": "tries per target step before the request fails with UNAVAILABLE",
+    "target_backoff_s": "first backoff between target tries (doubles each try)",
+    "startup_timeout_s": "how long to wait for the services at start-up",
+    "resolve_interval_s": "seconds between DNS re-resolutions of dns:/// replica names",
+    "max_concurrent_requests": "Generate calls served at once (RESOURCE_EXHAUSTED beyond)",
+    "metrics_port": "Prometheus metrics port (0 disables)",
+    "grace_period_s": "seconds open requests get to finish after SIGTERM",
+    "log_level": "debug, info, warning or error",
+}
+
+
+def parse_orchestrator_config(argv: Sequence[str] | None = None) -> OrchestratorConfig:
+    parser = argparse.ArgumentParser(prog="orchestrator", description="specdec orchestrator")
+    add_config_arguments(parser, OrchestratorConfig, _HELP)
+    config = OrchestratorConfig(**vars(parser.parse_args(argv)))
+    if not config.target:
+        parser.error("--target is required (HOST:PORT of the target service), or set SPECDEC_TARGET")
+    if config.speculation_policy not in POLICIES:
+        parser.error(f"--speculation-policy must be one of {', '.join(POLICIES)}")
+    if not 0 <= config.num_speculative_tokens <= config.max_speculative_tokens:
+        parser.error("--num-speculative-tokens must be in [0, --max-speculative-tokens]")
+    return config

@@ -1,0 +1,295 @@
+"""One request's speculative decoding loop: the orchestrator owns the canonical sequence.
+
+Each round: the draft proposes k tokens, the target scores the k + 1 positions in one forward pass,
+the pure accept/reject step decides, and both services are told through `keep` how much of what they
+last saw is still valid. The draft never saw its last token, and never sees the recovered or bonus
+token until the next round appends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+
+from orchestrator.k_policy import KPolicy
+from orchestrator.rejection import Verdict, verify_greedy, verify_sampled
+from orchestrator.upstream import SessionStream
+from serving.errors import ServiceError
+from serving.sampling import SamplingParams
+from serving.tensors import WireFormatError, decode_prob_rows
+from specdec.v1 import draft_pb2, orchestrator_pb2, target_pb2
+
+log = structlog.get_logger(__name__)
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+_U64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated Generate request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    seed: int
+    num_speculative_tokens: int  # K to start with; 0 is the target alone
+    overlap_drafting: bool
+    min_confidence: float
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the pair allows, from the services' ModelInfo."""
+
+    vocab_size: int
+    target_max_context: int
+    draft_max_context: int
+    eos_token_ids: frozenset[int]
+
+
+class DraftAvailability:
+    """Shared by all requests: after a draft failure, nobody drafts until `retry_after_s` has passed."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        self.retry_after_s = retry_after_s
+        self._down_until = 0.0
+
+    @property
+    def usable(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def failed(self) -> None:
+        self._down_until = time.monotonic() + self.retry_after_s
+
+
+@dataclass
+class Stats:
+    """Counts and timings of one generation, converted to proto at the edge."""
+
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    rounds: int = 0
+    rounds_with_draft: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+    total_seconds: float = 0.0
+    time_to_first_token_seconds: float = 0.0
+    draft_fallback_rounds: int = 0
+
+    def record_round(self, verdict: Verdict) -> None:
+        self.rounds += 1
+        self.rounds_with_draft += verdict.num_drafted > 0
+        self.draft_tokens += verdict.num_drafted
+        self.accepted_tokens += verdict.num_accepted
+        if len(self.accepted_per_position) < verdict.num_drafted:
+            self.accepted_per_position.extend([0] * (verdict.num_drafted - len(self.accepted_per_position)))
+        for position in range(verdict.num_accepted):
+            self.accepted_per_position[position] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    def to_proto(self, reopens: int, wire_bytes: int) -> orchestrator_pb2.GenerationStats:
+        return orchestrator_pb2.GenerationStats(
+            prompt_tokens=self.prompt_tokens,
+            output_tokens=self.output_tokens,
+            rounds=self.rounds,
+            draft_tokens=self.draft_tokens,
+            accepted_tokens=self.accepted_tokens,
+            accepted_per_position=self.accepted_per_position,
+            draft_seconds=self.draft_seconds,
+            target_seconds=self.target_seconds,
+            other_seconds=max(0.0, self.total_seconds - self.draft_seconds - self.target_seconds),
+            total_seconds=self.total_seconds,
+            time_to_first_token_seconds=self.time_to_first_token_seconds,
+            session_reopens=reopens,
+            draft_fallback_rounds=self.draft_fallback_rounds,
+            wire_bytes=wire_bytes,
+            draft_rounds=self.rounds_with_draft,
+        )
+
+
+@dataclass(frozen=True)
+class Draft:
+    """One block of draft tokens and the rows they were sampled from."""
+
+    token_ids: list[int]  # [k]
+    probs: torch.Tensor | None  # [k, vocab]; None for greedy
+    forward_seconds: float = 0.0  # the draft service's forward time for this block
+
+
+NO_DRAFT = Draft(token_ids=[], probs=None)
+
+DraftStream = SessionStream[draft_pb2.DraftRequest, draft_pb2.DraftResponse]
+TargetStream = SessionStream[target_pb2.VerifyRequest, target_pb2.VerifyResponse]
+
+
+class Generation:
+    """Runs one request; `rounds()` yields the tokens each round commits."""
+
+    def __init__(
+        self,
+        request: GenerationRequest,
+        limits: ModelLimits,
+        target: TargetStream,
+        draft: DraftStream | None,
+        availability: DraftAvailability,
+        policy: KPolicy,
+        draft_timeout_s: float,
+    ) -> None:
+        self.request = request
+        self.limits = limits
+        self.target = target
+        self.draft = draft
+        self.availability = availability
+        self.policy = policy
+        self.draft_timeout_s = draft_timeout_s
+        self.sequence = list(request.prompt_token_ids)
+        self.generator = torch.Generator().manual_seed(request.seed)
+        self.stats = Stats(prompt_tokens=len(self.sequence))
+        self.finish_reason: int = orchestrator_pb2.FINISH_REASON_UNSPECIFIED
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    async def rounds(self) -> AsyncIterator[list[int]]:
+        """Yield each round's committed tokens until EOS, max_new_tokens or a full context."""
+        started = time.perf_counter()
+        produced = 0
+        while self.finish_reason == orchestrator_pb2.FINISH_REASON_UNSPECIFIED:
+            k = self._round_k(produced)
+            draft = await self._propose(k) if k else NO_DRAFT
+            verdict, target_seconds = await self._verify(draft)
+            self.policy.observe(verdict, draft.forward_seconds, target_seconds)
+            self.stats.record_round(verdict)
+            tokens = self._commit(verdict)
+            produced += len(tokens)
+            if produced == len(tokens):
+                self.stats.time_to_first_token_seconds = time.perf_counter() - started
+            self.stats.output_tokens = produced
+            self.stats.total_seconds = time.perf_counter() - started
+            self._check_finished(tokens, produced)
+            yield tokens
+
+    def _round_k(self, produced: int) -> int:
+        """This round's K: the policy's choice, capped so no round overshoots a limit."""
+        if self.draft is None or not self.availability.usable:
+            return 0
+        n = len(self.sequence)
+        return max(
+            0,
+            min(
+                self.policy.next_k(),
+                self.request.max_new_tokens - produced - 1,  # a round outputs at most k + 1 tokens
+                self.limits.target_max_context - n - 1,
+                self.limits.draft_max_context - n,
+            ),
+        )
+
+    def _draft_request(self, keep: int, k: int) -> draft_pb2.DraftRequest:
+        n = len(self.sequence)
+        return draft_pb2.DraftRequest(
+            request_id=self.request.request_id,
+            keep=keep,
+            append_token_ids=self.sequence[keep:],
+            num_speculative_tokens=k,
+            sampling=self.request.sampling.to_proto(),
+            # Seeded by position, so a block drafted again after a lost session is the same block.
+            seed=(self.request.seed * _SEED_MIX + n) & _U64,
+            min_confidence=self.request.min_confidence,
+        )
+
+    async def _propose(self, k: int) -> Draft:
+        """The draft's block, or NO_DRAFT (the target alone, still exact) when the draft fails."""
+        assert self.draft is not None
+        draft = self.draft
+        try:
+            response = await asyncio.wait_for(
+                draft.step(lambda keep: self._draft_request(keep, k)), timeout=self.draft_timeout_s
+            )
+            probs = None
+            if not self.request.sampling.greedy:
+                probs = decode_prob_rows(response.draft_probs, self.limits.vocab_size)
+            token_ids = list(response.draft_token_ids)
+            if not 1 <= len(token_ids) <= k or (probs is not None and probs.shape[0] != len(token_ids)):
+                raise WireFormatError(f"draft returned {len(token_ids)} tokens for k = {k}")
+        except (ServiceError, TimeoutError, WireFormatError) as exc:
+            log.warning("draft_unavailable", error=str(exc) or type(exc).__name__)
+            self.availability.failed()
+            self.stats.draft_fallback_rounds += 1
+            draft.close()
+            draft.fed = 0
+            return NO_DRAFT
+        draft.fed = len(self.sequence) + len(token_ids) - 1
+        self.stats.draft_seconds += response.timing.forward_seconds
+        return Draft(token_ids=token_ids, probs=probs, forward_seconds=response.timing.forward_seconds)
+
+    async def _verify(self, draft: Draft) -> tuple[Verdict, float]:
+        """The target's verdict on a block, and the target's forward seconds."""
+        sequence = self.sequence
+        rows = len(draft.token_ids) + 1
+        sampling = self.request.sampling.to_proto()
+        response = await self.target.step(
+            lambda keep: target_pb2.VerifyRequest(
+                request_id=self.request.request_id,
+                keep=keep,
+                append_token_ids=[*sequence[keep:], *draft.token_ids],
+                num_rows=rows,
+                sampling=sampling,
+            )
+        )
+        target_seconds = response.timing.forward_seconds
+        self.stats.target_seconds += target_seconds
+        draft_ids = torch.tensor(draft.token_ids, dtype=torch.long)  # [k]
+        if self.request.sampling.greedy:
+            argmax = torch.tensor(list(response.argmax_token_ids), dtype=torch.long)  # [k + 1]
+            return verify_greedy(draft_ids, argmax), target_seconds
+        target_probs = decode_prob_rows(response.target_probs, self.limits.vocab_size)  # [k + 1, vocab]
+        draft_probs = draft.probs if draft.probs is not None else torch.empty(0, self.limits.vocab_size)
+        return verify_sampled(draft_ids, draft_probs, target_probs, self.generator), target_seconds
+
+    def _commit(self, verdict: Verdict) -> list[int]:
+        """Append the round's tokens (cut after an EOS) and tell both caches what is still valid."""
+        n = len(self.sequence)
+        tokens = verdict.output_token_ids
+        for index, token in enumerate(tokens):
+            if token in self.limits.eos_token_ids:
+                tokens = tokens[: index + 1]
+                self.finish_reason = orchestrator_pb2.FINISH_REASON_EOS
+                break
+        self.sequence.extend(tokens)
+        # Both caches hold the old sequence plus the draft tokens they were fed; the accepted ones stay.
+        self.target.fed = n + verdict.num_accepted
+        if self.draft is not None:
+            self.draft.fed = min(self.draft.fed, n + verdict.num_accepted)
+        return tokens
+
+    def _check_finished(self, tokens: list[int], produced: int) -> None:
+        if self.finish_reason != orchestrator_pb2.FINISH_REASON_UNSPECIFIED:
+            return
+        if produced >= self.request.max_new_tokens or len(self.sequence) >= self.limits.target_max_context:
+            self.finish_reason = orchestrator_pb2.FINISH_REASON_LENGTH
+
+    def close(self) -> None:
+        """End both sessions; the services free their caches at once."""
+        self.target.close()
+        if self.draft is not None:
+            self.draft.close()
+
+    @property
+    def reopens(self) -> int:
+        return self.target.reopens + (self.draft.reopens if self.draft else 0)
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.target.wire_bytes + (self.draft.wire_bytes if self.draft else 0)

@@ -1,0 +1,163 @@
+"""Run draft, target and orchestrator as three processes on loopback, as `make run` does.
+
+    python -m orchestrator.local_stack --target-model PATH --draft-model PATH --prompt TEXT
+
+Each service is its own process with its own port, exactly as it would be on its own machine; this
+module only starts them, waits until they report SERVING, and ends them by pid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from orchestrator.client import generate, summary
+from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_serving(address: str, timeout_s: float, process: subprocess.Popen[bytes]) -> None:
+    """Poll standard gRPC health until SERVING; fail early if the process died."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"the process for {address} exited with code {process.returncode}")
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} was not SERVING within {timeout_s:.0f} s")
+
+
+@dataclass
+class LocalStack:
+    """Three processes on loopback; a context manager that always ends them."""
+
+    target_model: str
+    draft_model: str | None
+    extra_orchestrator_args: Sequence[str] = ()
+    extra_service_args: Sequence[str] = ()
+    log_dir: Path | None = None
+    startup_timeout_s: float = 300.0
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    orchestrator_address: str = ""
+    target_address: str = ""
+    draft_address: str = ""
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        out = open(self.log_dir / f"{name}.log", "wb") if self.log_dir else subprocess.DEVNULL  # noqa: SIM115
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        process = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=out, env=env)
+        self.processes.append(process)
+        return process
+
+    def __enter__(self) -> LocalStack:
+        if self.log_dir:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            target_port = free_port()
+            self.target_address = f"{LOOPBACK}:{target_port}"
+            target = self._spawn("target", ["target_service", "--model", self.target_model, "--host", LOOPBACK,
+                                            "--port", str(target_port), *self.extra_service_args])
+            orchestrator_args = ["--target", self.target_address]
+            waits = [(self.target_address, target)]
+            if self.draft_model:
+                draft_port = free_port()
+                self.draft_address = f"{LOOPBACK}:{draft_port}"
+                draft = self._spawn("draft", ["draft_service", "--model", self.draft_model, "--host", LOOPBACK,
+                                              "--port", str(draft_port), *self.extra_service_args])
+                orchestrator_args += ["--draft", self.draft_address]
+                waits.append((self.draft_address, draft))
+            for address, process in waits:
+                wait_serving(address, self.startup_timeout_s, process)
+            port = free_port()
+            self.orchestrator_address = f"{LOOPBACK}:{port}"
+            orchestrator = self._spawn("orchestrator", ["orchestrator", *orchestrator_args, "--host", LOOPBACK,
+                                                        "--port", str(port), *self.extra_orchestrator_args])
+            wait_serving(self.orchestrator_address, self.startup_timeout_s, orchestrator)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM every process by pid (they drain), then SIGKILL whatever is left."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes.clear()
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="orchestrator.local_stack", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target-model", required=True)
+    parser.add_argument("--draft-model", default=None)
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--log-dir", type=Path, default=None, help="write each service's log here")
+    args = parser.parse_args(argv)
+    print(f"starting target ({args.target_model}), draft ({args.draft_model}) and orchestrator on {LOOPBACK} ...",
+          file=sys.stderr)
+    with LocalStack(args.target_model, args.draft_model, log_dir=args.log_dir) as stack:
+        with grpc.insecure_channel(stack.orchestrator_address) as channel:
+            stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+            request = orchestrator_pb2.GenerateRequest(
+                text=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=0,
+                num_speculative_tokens=args.num_speculative_tokens if args.draft_model else 0,
+            )
+            generate(stub, request)  # warm-up: first forward passes allocate and compile kernels
+            print(f"--- specdec, K = {request.num_speculative_tokens} ---\n{args.prompt}", end="")
+            speculative = generate(stub, request, echo=True)
+            print("\n\n" + summary(speculative))
+            if args.draft_model:
+                request.num_speculative_tokens = 0
+                baseline = generate(stub, request)
+                if args.temperature == 0:
+                    same = "identical" if baseline.token_ids == speculative.token_ids else "DIFFERENT"
+                else:
+                    same = "sampled from the same distribution"
+                speedup = (len(speculative.token_ids) / speculative.wall_seconds) / (
+                    len(baseline.token_ids) / baseline.wall_seconds)
+                print(f"target alone (K = 0): {summary(baseline)}")
+                print(f"speed-up over the target alone: {speedup:.2f}x; outputs {same}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

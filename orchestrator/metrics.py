@@ -1,0 +1,29 @@
+"""Prometheus metrics of the orchestrator, named as vLLM users already graph them."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_PER_TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+NUM_DRAFTS = Counter("specdec:spec_decode_num_drafts", "Rounds in which the draft proposed a block")
+NUM_DRAFT_TOKENS = Counter("specdec:spec_decode_num_draft_tokens", "Draft tokens proposed")
+NUM_ACCEPTED_TOKENS = Counter("specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted")
+ACCEPTED_PER_POSITION = Counter(
+    "specdec:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each position", ["position"]
+)
+GENERATION_TOKENS = Counter("specdec:generation_tokens", "Output tokens streamed to clients")
+PROMPT_TOKENS = Counter("specdec:prompt_tokens", "Prompt tokens received")
+REQUESTS_FINISHED = Counter("specdec:request_success", "Finished requests by finish reason", ["finished_reason"])
+REQUESTS_FAILED = Counter("specdec:request_failure", "Failed requests by gRPC status", ["code"])
+SESSION_REOPENS = Counter("specdec:session_reopens", "Service sessions reopened with the full sequence")
+DRAFT_FALLBACK_ROUNDS = Counter("specdec:draft_fallback_rounds", "Rounds decoded by the target alone after a draft failure")
+REQUESTS_RUNNING = Gauge("specdec:num_requests_running", "Generate calls in progress")
+TIME_TO_FIRST_TOKEN = Histogram(
+    "specdec:time_to_first_token_seconds", "Time to the first streamed token", buckets=_LATENCY_BUCKETS
+)
+TIME_PER_OUTPUT_TOKEN = Histogram(
+    "specdec:time_per_output_token_seconds", "Mean time per output token after the first", buckets=_PER_TOKEN_BUCKETS
+)
+E2E_LATENCY = Histogram("specdec:e2e_request_latency_seconds", "Request latency, end to end", buckets=_LATENCY_BUCKETS)

@@ -1,0 +1,354 @@
+"""The Orchestrator service: validates requests, runs generations, streams text, reports stats."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from orchestrator import metrics
+from orchestrator.config import POLICIES, OrchestratorConfig
+from orchestrator.generation import DraftAvailability, Generation, GenerationRequest, ModelLimits, Stats
+from orchestrator.k_policy import make_policy
+from orchestrator.text import TextStream
+from orchestrator.upstream import ReplicaPool, SessionStream
+from serving.errors import ServiceError, failed_precondition, invalid_argument, resource_exhausted
+from serving.sampling import SamplingParams
+from serving.vocab import tokenizer_fingerprint
+from specdec.v1 import common_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAME = "specdec.v1.Orchestrator"
+_POLICY_BY_ENUM = {
+    orchestrator_pb2.SPECULATION_POLICY_FIXED: "fixed",
+    orchestrator_pb2.SPECULATION_POLICY_HEURISTIC: "heuristic",
+    orchestrator_pb2.SPECULATION_POLICY_COST_MODEL: "cost_model",
+}
+_ENUM_BY_POLICY = {name: value for value, name in _POLICY_BY_ENUM.items()}
+_MAX_STOP_STRINGS = 16
+_INFO_POLL_S = 0.5
+
+
+class PairMismatch(Exception):
+    """Draft and target (or the orchestrator's tokenizer) do not share a vocabulary."""
+
+
+def check_pair(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo) -> None:
+    """Refuse a draft whose token ids do not mean what the target's mean."""
+    if draft.vocab_size != target.vocab_size:
+        raise PairMismatch(
+            f"draft model {draft.model!r} has a vocabulary of {draft.vocab_size} tokens but target model "
+            f"{target.model!r} has {target.vocab_size}; choose a draft that shares the target's tokenizer"
+        )
+    if draft.tokenizer_fingerprint and target.tokenizer_fingerprint and (
+        draft.tokenizer_fingerprint != target.tokenizer_fingerprint
+    ):
+        raise PairMismatch(
+            f"draft model {draft.model!r} and target model {target.model!r} have different tokenizers "
+            f"(fingerprints {draft.tokenizer_fingerprint[:12]} and {target.tokenizer_fingerprint[:12]}); "
+            "choose a draft that shares the target's tokenizer"
+        )
+
+
+async def fetch_model_info(pool: ReplicaPool, timeout_s: float) -> common_pb2.ModelInfo:
+    """GetModelInfo from the first replica that answers, waiting up to timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    last_error = "no replicas"
+    while True:
+        for replica in pool.replicas:
+            try:
+                info: common_pb2.ModelInfo = await replica.stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=5.0)
+                return info
+            except grpc.aio.AioRpcError as exc:
+                last_error = f"{replica.address}: {exc.code().name} {exc.details()}"
+        if time.monotonic() >= deadline:
+            raise ConnectionError(f"{pool.name} service did not answer within {timeout_s:.0f} s ({last_error})")
+        await asyncio.sleep(_INFO_POLL_S)
+
+
+@dataclass
+class DraftSide:
+    """The draft replicas, and what is known of them (None until one has answered and matched)."""
+
+    pool: ReplicaPool
+    info: common_pb2.ModelInfo | None = None
+
+
+class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
+    """Serves Generate and GetInfo over a connected target (and, optionally, draft) service."""
+
+    def __init__(
+        self,
+        config: OrchestratorConfig,
+        target_pool: ReplicaPool,
+        target_info: common_pb2.ModelInfo,
+        draft: DraftSide | None,
+        tokenizer: PreTrainedTokenizerBase,
+    ) -> None:
+        self.config = config
+        self.target_pool = target_pool
+        self.target_info = target_info
+        self.draft = draft
+        self.tokenizer = tokenizer
+        self.availability = DraftAvailability(config.draft_retry_after_s)
+        self._running = 0
+        self._draft_watch: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def connect(cls, config: OrchestratorConfig) -> OrchestratorServicer:
+        """Reach the services, check the pair, load the tokenizer. Raises PairMismatch or ConnectionError."""
+        target_pool = ReplicaPool("target", config.target, target_pb2_grpc.TargetServiceStub, config.resolve_interval_s)
+        await target_pool.start()
+        target_info = await fetch_model_info(target_pool, config.startup_timeout_s)
+        draft: DraftSide | None = None
+        if config.draft:
+            pool = ReplicaPool("draft", config.draft, draft_pb2_grpc.DraftServiceStub, config.resolve_interval_s)
+            await pool.start()
+            draft = DraftSide(pool)
+            try:
+                draft.info = await fetch_model_info(pool, min(config.startup_timeout_s, 10.0))
+                check_pair(target_info, draft.info)
+            except ConnectionError as exc:
+                log.warning("draft_unreachable_at_startup", error=str(exc), fallback="target alone until it answers")
+        name = config.tokenizer or target_info.model
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, name)
+        fingerprint = tokenizer_fingerprint(tokenizer)
+        if target_info.tokenizer_fingerprint and fingerprint != target_info.tokenizer_fingerprint:
+            raise PairMismatch(
+                f"tokenizer {name!r} differs from target model {target_info.model!r}'s tokenizer; "
+                "pass --tokenizer naming the target's tokenizer"
+            )
+        servicer = cls(config, target_pool, target_info, draft, tokenizer)
+        if draft is not None and draft.info is None:
+            servicer._draft_watch = asyncio.create_task(servicer._watch_draft())
+        return servicer
+
+    async def _watch_draft(self) -> None:
+        """Keep asking an unreachable draft for its info; start drafting once it answers and matches."""
+        assert self.draft is not None
+        while self.draft.info is None:
+            try:
+                info = await fetch_model_info(self.draft.pool, self.config.draft_retry_after_s)
+            except ConnectionError:
+                continue
+            try:
+                check_pair(self.target_info, info)
+            except PairMismatch as exc:
+                log.error("draft_mismatch", error=str(exc), fallback="target alone")
+                return
+            self.draft.info = info
+            log.info("draft_available", model=info.model)
+
+    async def close(self) -> None:
+        if self._draft_watch:
+            self._draft_watch.cancel()
+        await self.target_pool.close()
+        if self.draft:
+            await self.draft.pool.close()
+
+    # --- GetInfo -------------------------------------------------------------------------------
+
+    async def GetInfo(self, request: orchestrator_pb2.GetInfoRequest, context: grpc.aio.ServicerContext) -> orchestrator_pb2.GetInfoResponse:
+        response = orchestrator_pb2.GetInfoResponse(
+            target=self.target_info,
+            max_new_tokens_cap=self.config.max_new_tokens_cap,
+            num_speculative_tokens_cap=self.config.max_speculative_tokens,
+            default_num_speculative_tokens=self.config.num_speculative_tokens if self.draft else 0,
+            default_speculation_policy=_ENUM_BY_POLICY[self.config.speculation_policy],
+            default_overlap_drafting=self.config.overlap_drafting,
+        )
+        if self.draft and self.draft.info:
+            response.draft.CopyFrom(self.draft.info)
+        return response
+
+    # --- Generate ------------------------------------------------------------------------------
+
+    def _prompt_ids(self, request: orchestrator_pb2.GenerateRequest) -> list[int]:
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            ids = list(self.tokenizer(request.text)["input_ids"]) if request.text else []
+        elif which == "token_ids":
+            ids = list(request.token_ids.ids)
+            vocab = self.target_info.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise invalid_argument(f"token_ids holds {bad[0]}, outside the vocabulary [0, {vocab})")
+        else:
+            ids = []
+        if not ids:
+            raise invalid_argument("the prompt is empty: set `text` or `token_ids` to at least one token")
+        context = self.target_info.max_context
+        if len(ids) >= context:
+            raise invalid_argument(
+                f"the prompt has {len(ids)} tokens but the target model's context is {context}; "
+                f"shorten it to at most {context - 1} tokens"
+            )
+        return ids
+
+    def validate(self, request: orchestrator_pb2.GenerateRequest) -> tuple[GenerationRequest, str]:
+        """A GenerationRequest and the policy name, or INVALID_ARGUMENT naming the field and range."""
+        cfg = self.config
+        prompt = self._prompt_ids(request)
+        if not 1 <= request.max_new_tokens <= cfg.max_new_tokens_cap:
+            raise invalid_argument(f"max_new_tokens must be in [1, {cfg.max_new_tokens_cap}]; got {request.max_new_tokens}")
+        sampling = SamplingParams(
+            temperature=request.temperature,
+            top_k=request.top_k,
+            top_p=request.top_p if request.HasField("top_p") else 1.0,
+        ).validated()
+        default_k = cfg.num_speculative_tokens if self.draft else 0
+        k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else default_k
+        if not 0 <= k <= cfg.max_speculative_tokens:
+            raise invalid_argument(f"num_speculative_tokens must be in [0, {cfg.max_speculative_tokens}]; got {k}")
+        if k > 0 and self.draft is None:
+            raise failed_precondition(
+                "num_speculative_tokens > 0 needs a draft service, and this orchestrator has none "
+                "(start it with --draft HOST:PORT, or send num_speculative_tokens = 0)"
+            )
+        if request.speculation_policy and request.speculation_policy not in _POLICY_BY_ENUM:
+            raise invalid_argument(f"speculation_policy {request.speculation_policy} is unknown; use one of {', '.join(POLICIES)}")
+        policy = _POLICY_BY_ENUM.get(request.speculation_policy, cfg.speculation_policy)
+        if len(request.stop) > _MAX_STOP_STRINGS or any(not s for s in request.stop):
+            raise invalid_argument(f"stop takes at most {_MAX_STOP_STRINGS} non-empty strings")
+        seed = request.seed if request.HasField("seed") else random.getrandbits(63)
+        overlap = request.overlap_drafting if request.HasField("overlap_drafting") else cfg.overlap_drafting
+        request_id = request.request_id or uuid.uuid4().hex
+        generation_request = GenerationRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            max_new_tokens=request.max_new_tokens,
+            sampling=sampling,
+            seed=seed,
+            num_speculative_tokens=k,
+            overlap_drafting=overlap and k > 0,
+            min_confidence=cfg.min_confidence,
+        )
+        return generation_request, policy
+
+    def _limits(self) -> ModelLimits:
+        draft_context = self.draft.info.max_context if self.draft and self.draft.info else 0
+        return ModelLimits(
+            vocab_size=self.target_info.vocab_size,
+            target_max_context=self.target_info.max_context,
+            draft_max_context=draft_context,
+            eos_token_ids=frozenset(self.target_info.eos_token_ids),
+        )
+
+    def _generation(self, request: GenerationRequest, policy: str) -> Generation:
+        cfg = self.config
+        target = SessionStream(
+            self.target_pool,
+            lambda stub, metadata: stub.Verify(metadata=metadata),
+            request.request_id,
+            attempts=cfg.target_attempts,
+            backoff_s=cfg.target_backoff_s,
+        )
+        draft = None
+        if self.draft is not None and self.draft.info is not None and request.num_speculative_tokens > 0:
+            draft = SessionStream(
+                self.draft.pool, lambda stub, metadata: stub.Draft(metadata=metadata), request.request_id, attempts=1
+            )
+        return Generation(
+            request,
+            self._limits(),
+            target,
+            draft,
+            self.availability,
+            make_policy(policy, request.num_speculative_tokens, cfg.max_speculative_tokens),
+            cfg.draft_timeout_s,
+        )
+
+    async def Generate(
+        self, request: orchestrator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
+        if self._running >= self.config.max_concurrent_requests:
+            raise resource_exhausted(
+                f"the orchestrator is serving its maximum of {self.config.max_concurrent_requests} requests; "
+                "retry later or add orchestrator replicas"
+            )
+        generation_request, policy = self.validate(request)
+        generation = self._generation(generation_request, policy)
+        text = TextStream(self.tokenizer, list(request.stop))
+        finish = orchestrator_pb2.FINISH_REASON_UNSPECIFIED
+        streamed = 0
+        self._running += 1
+        metrics.REQUESTS_RUNNING.inc()
+        structlog.contextvars.bind_contextvars(request_id=generation_request.request_id)
+        first = True
+        try:
+            async for tokens in generation.rounds():
+                delta = text.push(tokens)
+                streamed += len(delta.token_ids)
+                if delta.stopped:
+                    finish = orchestrator_pb2.FINISH_REASON_STOP
+                if delta.text or delta.token_ids:
+                    yield orchestrator_pb2.GenerateResponse(
+                        text=delta.text,
+                        token_ids=delta.token_ids,
+                        request_id=generation_request.request_id if first else "",
+                    )
+                    first = False
+                if delta.stopped:
+                    break
+            if finish == orchestrator_pb2.FINISH_REASON_UNSPECIFIED:
+                finish = generation.finish_reason
+            stats = generation.stats
+            stats.output_tokens = streamed
+            yield orchestrator_pb2.GenerateResponse(
+                text="" if finish == orchestrator_pb2.FINISH_REASON_STOP else text.finish(),
+                finish_reason=finish,
+                stats=stats.to_proto(generation.reopens, generation.wire_bytes),
+                request_id=generation_request.request_id if first else "",
+            )
+            self._record(generation, finish)
+        except ServiceError as exc:
+            metrics.REQUESTS_FAILED.labels(exc.code.name).inc()
+            log.warning("request_failed", code=exc.code.name, error=exc.message)
+            raise
+        finally:
+            generation.close()
+            self._running -= 1
+            metrics.REQUESTS_RUNNING.dec()
+            structlog.contextvars.unbind_contextvars("request_id")
+
+    def _record(self, generation: Generation, finish: int) -> None:
+        stats: Stats = generation.stats
+        reason = orchestrator_pb2.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
+        metrics.REQUESTS_FINISHED.labels(reason).inc()
+        metrics.PROMPT_TOKENS.inc(stats.prompt_tokens)
+        metrics.GENERATION_TOKENS.inc(stats.output_tokens)
+        metrics.NUM_DRAFT_TOKENS.inc(stats.draft_tokens)
+        metrics.NUM_ACCEPTED_TOKENS.inc(stats.accepted_tokens)
+        metrics.NUM_DRAFTS.inc(stats.rounds_with_draft)
+        for position, count in enumerate(stats.accepted_per_position):
+            metrics.ACCEPTED_PER_POSITION.labels(str(position)).inc(count)
+        metrics.SESSION_REOPENS.inc(generation.reopens)
+        metrics.DRAFT_FALLBACK_ROUNDS.inc(stats.draft_fallback_rounds)
+        metrics.E2E_LATENCY.observe(stats.total_seconds)
+        metrics.TIME_TO_FIRST_TOKEN.observe(stats.time_to_first_token_seconds)
+        if stats.output_tokens > 1:
+            metrics.TIME_PER_OUTPUT_TOKEN.observe(
+                (stats.total_seconds - stats.time_to_first_token_seconds) / (stats.output_tokens - 1)
+            )
+        log.info(
+            "request_done",
+            finish=reason,
+            prompt_tokens=stats.prompt_tokens,
+            output_tokens=stats.output_tokens,
+            rounds=stats.rounds,
+            draft_tokens=stats.draft_tokens,
+            accepted_tokens=stats.accepted_tokens,
+            acceptance_rate=round(stats.acceptance_rate, 3),
+            total_seconds=round(stats.total_seconds, 4),
+            tokens_per_second=round(stats.output_tokens / stats.total_seconds, 1) if stats.total_seconds else 0.0,
+            session_reopens=generation.reopens,
+            draft_fallback_rounds=stats.draft_fallback_rounds,
+        )

@@ -1,0 +1,214 @@
+"""Connections to the model services: replica pools and session streams that reopen themselves.
+
+A session stream is pinned to one replica, because the session's cache lives there. When the replica
+answers CACHE_MISS, or the stream breaks (restart, eviction, drain), the stream is reopened (on another
+replica when one is up) and the step is resent with keep = 0 and the full sequence: the client
+notices nothing but the cost of one prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+import grpc
+import structlog
+
+from serving.errors import ServiceError, unavailable
+from serving.server import CHANNEL_OPTIONS
+from specdec.v1 import common_pb2
+
+log = structlog.get_logger(__name__)
+
+REQUEST_ID_METADATA = "x-request-id"
+# A replica that failed is avoided for this long when another one is up.
+_FAILURE_COOLDOWN_S = 5.0
+# Statuses that mean "this replica, this stream" rather than "this request": reopen and resend.
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+@dataclass
+class Replica:
+    """One replica of a model service."""
+
+    address: str
+    channel: grpc.aio.Channel
+    stub: Any
+    active: int = 0  # session streams pinned here now
+    failed_at: float = -1e9
+
+
+def parse_replicas(spec: str) -> tuple[list[str], str | None]:
+    """`a:1,b:2` gives a static list; `dns:///name:port` gives a name to resolve (re-resolved)."""
+    spec = spec.strip()
+    if spec.startswith("dns:///"):
+        return [], spec.removeprefix("dns:///")
+    addresses = [a.strip() for a in spec.split(",") if a.strip()]
+    for address in addresses:
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"replica address {address!r} must be HOST:PORT")
+    return addresses, None
+
+
+async def resolve(name: str) -> list[str]:
+    """All addresses of a DNS name (a headless Service resolves to every ready pod)."""
+    host, _, port = name.rpartition(":")
+    infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    hosts = sorted({info[4][0] for info in infos})
+    return [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in hosts]
+
+
+class ReplicaPool:
+    """The replicas of one service; requests are spread over them, least pinned first."""
+
+    def __init__(self, name: str, spec: str, make_stub: Callable[[grpc.aio.Channel], Any], resolve_interval_s: float):
+        self.name = name
+        self._static, self._dns_name = parse_replicas(spec)
+        self._make_stub = make_stub
+        self._resolve_interval_s = resolve_interval_s
+        self._replicas: dict[str, Replica] = {}
+        self._resolver: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.refresh()
+        if self._dns_name:
+            self._resolver = asyncio.create_task(self._resolve_forever())
+
+    async def refresh(self) -> None:
+        addresses = self._static or await resolve(self._dns_name or "")
+        for address in addresses:
+            if address not in self._replicas:
+                channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+                self._replicas[address] = Replica(address, channel, self._make_stub(channel))
+        for address in [a for a in self._replicas if a not in addresses]:
+            gone = self._replicas.pop(address)
+            if gone.active == 0:
+                await gone.channel.close()
+
+    async def _resolve_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._resolve_interval_s)
+            try:
+                await self.refresh()
+            except OSError as exc:
+                log.warning("resolve_failed", service=self.name, error=str(exc))
+
+    @property
+    def replicas(self) -> list[Replica]:
+        return list(self._replicas.values())
+
+    def pick(self, avoid: Replica | None = None) -> Replica:
+        """The least-pinned healthy replica, other than `avoid` when there is a choice."""
+        if not self._replicas:
+            raise unavailable(f"no {self.name} replicas are known; check --{self.name}")
+        now = time.monotonic()
+        candidates = [r for r in self._replicas.values() if r is not avoid] or list(self._replicas.values())
+        healthy = [r for r in candidates if now - r.failed_at > _FAILURE_COOLDOWN_S] or candidates
+        least = min(r.active for r in healthy)
+        return random.choice([r for r in healthy if r.active == least])
+
+    async def close(self) -> None:
+        if self._resolver:
+            self._resolver.cancel()
+        for replica in self._replicas.values():
+            await replica.channel.close()
+
+
+class SessionMessage(Protocol):
+    def ByteSize(self) -> int: ...
+
+
+RequestT = TypeVar("RequestT", bound=SessionMessage)
+ResponseT = TypeVar("ResponseT", bound=SessionMessage)
+
+
+@dataclass
+class SessionStream(Generic[RequestT, ResponseT]):
+    """One session on one replica of a model service, reopened when lost."""
+
+    pool: ReplicaPool
+    open_call: Callable[[Any, tuple[tuple[str, str], ...]], Any]  # (stub, metadata) -> stream call
+    request_id: str
+    attempts: int = 4
+    backoff_s: float = 0.25
+    fed: int = 0  # tokens of the canonical sequence the replica's cache holds
+    reopens: int = 0  # times the session was reopened with the full sequence
+    wire_bytes: int = 0
+    replica: Replica | None = None
+    _call: Any = field(default=None, repr=False)
+
+    async def step(self, build: Callable[[int], RequestT]) -> ResponseT:
+        """Send build(keep) and return the response; on a lost session, reopen and resend with keep 0."""
+        backoff = self.backoff_s
+        last_error = ""
+        for attempt in range(self.attempts + 1):  # one more for a cache miss on a healthy replica
+            if self._call is None:
+                self._open()
+            request = build(self.fed)
+            try:
+                await self._call.write(request)
+                response = await self._call.read()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _RETRYABLE:
+                    raise ServiceError(exc.code(), f"{self.pool.name} service: {exc.details()}") from exc
+                last_error = f"{exc.code().name}: {exc.details()}"
+                response = None
+            if response is None or response is grpc.aio.EOF:
+                last_error = last_error or "the stream ended"
+                log.warning("session_lost", service=self.pool.name, replica=self._address, error=last_error)
+                self._drop(failed=True)
+                if attempt < self.attempts:
+                    await asyncio.sleep(backoff * (0.5 + random.random()))
+                    backoff *= 2
+                continue
+            self.wire_bytes += request.ByteSize() + response.ByteSize()
+            if response.result == common_pb2.SESSION_RESULT_CACHE_MISS:  # type: ignore[attr-defined]
+                log.info("cache_miss", service=self.pool.name, replica=self._address)
+                self.fed = 0
+                self.reopens += 1
+                continue
+            return response
+        raise unavailable(
+            f"{self.pool.name} service unavailable after {self.attempts} tries ({last_error}); "
+            f"check that the {self.pool.name} replicas are running"
+        )
+
+    @property
+    def _address(self) -> str:
+        return self.replica.address if self.replica else ""
+
+    def _open(self) -> None:
+        previous = self.replica
+        self.replica = self.pool.pick(avoid=previous)
+        self.replica.active += 1
+        self._call = self.open_call(self.replica.stub, ((REQUEST_ID_METADATA, self.request_id),))
+        if self.fed or previous is not None:
+            self.reopens += 1
+        self.fed = 0
+
+    def _drop(self, failed: bool) -> None:
+        """Unpin from the replica (kept in self.replica so a reopen can avoid it)."""
+        if self._call is None or self.replica is None:
+            return
+        self._call.cancel()
+        self._call = None
+        self.replica.active -= 1
+        if failed:
+            self.replica.failed_at = time.monotonic()
+
+    def close(self) -> None:
+        """End the stream (safe inside a cancelled task); the service frees the session's cache at once."""
+        self._drop(failed=False)
+        self.replica = None

@@ -1,0 +1,78 @@
+"""Server bootstrap every specdec server shares: health, reflection, metrics, graceful drain."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from types import FrameType
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+log = structlog.get_logger(__name__)
+
+# Large enough for a block of probability rows over a 256k vocabulary.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def _reflected_names(service_names: Sequence[str]) -> list[str]:
+    return [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+
+
+def add_standard_services(server: grpc.Server, service_names: Sequence[str]) -> health.HealthServicer:
+    """Standard health checking (SERVING for each service and for "") and server reflection."""
+    servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection(_reflected_names(service_names), server)
+    for name in ["", *service_names]:
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return servicer
+
+
+async def add_standard_services_async(server: grpc.aio.Server, service_names: Sequence[str]) -> health_aio.HealthServicer:
+    """The asyncio twin of add_standard_services."""
+    servicer = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection(_reflected_names(service_names), server)
+    for name in ["", *service_names]:
+        await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return servicer
+
+
+def bind(server: grpc.Server | grpc.aio.Server, host: str, port: int) -> int:
+    """Listen on host:port (port 0 picks a free one); returns the port, or raises naming the address."""
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise SystemExit(f"cannot listen on {address}: {exc}; choose another --host or --port") from exc
+    if bound == 0:
+        raise SystemExit(f"cannot listen on {address}; choose another --host or --port")
+    return bound
+
+
+def start_metrics(host: str, port: int) -> None:
+    """Serve Prometheus metrics on their own port; 0 disables them."""
+    if port:
+        start_http_server(port, addr=host)
+        log.info("metrics_listening", host=host, port=port)
+
+
+def on_sigterm(drain: Callable[[], None]) -> None:
+    """Run `drain` in a thread on SIGTERM or SIGINT (signal handlers must return quickly)."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        log.info("draining", signal=signal.Signals(signum).name)
+        threading.Thread(target=drain, name="drain", daemon=True).start()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)

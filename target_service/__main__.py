@@ -1,0 +1,7 @@
+"""python -m target_service --model PATH_OR_ID --port N"""
+
+from model_host.runtime import run_model_service
+from target_service.servicer import SERVICE_NAME, TargetServicer, register
+
+if __name__ == "__main__":
+    run_model_service("target_service", None, TargetServicer, register, SERVICE_NAME)

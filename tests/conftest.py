@@ -1,0 +1,125 @@
+"""Shared fixtures: a tiny model pair built on the fly, real gRPC servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from model_host.loading import LoadedModel
+from model_host.runtime import ModelServer
+from specdec.v1 import orchestrator_pb2
+from tests.servers import OrchestratorThread, load, orchestrator_config, start_draft, start_target
+from tests.tiny_models import TinyPair, build_pair
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> TinyPair:
+    return build_pair(tmp_path_factory.mktemp("tiny_pair"))
+
+
+@pytest.fixture(scope="session")
+def target_model(tiny_pair: TinyPair) -> LoadedModel:
+    return load(tiny_pair.target)
+
+
+@pytest.fixture(scope="session")
+def close_draft_model(tiny_pair: TinyPair) -> LoadedModel:
+    return load(tiny_pair.close_draft)
+
+
+@pytest.fixture(scope="session")
+def random_draft_model(tiny_pair: TinyPair) -> LoadedModel:
+    return load(tiny_pair.random_draft)
+
+
+@pytest.fixture(scope="session")
+def target_server(target_model: LoadedModel) -> Iterator[ModelServer]:
+    server = start_target(target_model)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def close_draft_server(close_draft_model: LoadedModel) -> Iterator[ModelServer]:
+    server = start_draft(close_draft_model)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def random_draft_server(random_draft_model: LoadedModel) -> Iterator[ModelServer]:
+    server = start_draft(random_draft_model)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def orchestrators(
+    target_server: ModelServer, close_draft_server: ModelServer, random_draft_server: ModelServer
+) -> Iterator[dict[str, OrchestratorThread]]:
+    """One orchestrator per draft, all over the same target, plus one with no draft."""
+    started = {
+        "close": OrchestratorThread(orchestrator_config(target_server, close_draft_server)),
+        "random": OrchestratorThread(orchestrator_config(target_server, random_draft_server)),
+        "none": OrchestratorThread(orchestrator_config(target_server)),
+    }
+    yield started
+    for orchestrator in started.values():
+        orchestrator.stop()
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def collect(stub: Any, request: orchestrator_pb2.GenerateRequest) -> tuple[list[int], str, orchestrator_pb2.GenerateResponse]:
+    """All token ids and text of a Generate call, and its last message."""
+    ids: list[int] = []
+    text = ""
+    last = None
+    for message in stub.Generate(request):
+        ids.extend(message.token_ids)
+        text += message.text
+        last = message
+    assert last is not None
+    return ids, text, last
+
+
+def hf_greedy(model: LoadedModel, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The target model decoding alone: Hugging Face generate(), greedy."""
+    with torch.no_grad():
+        output = model.model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+            pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
+    return output[0, len(prompt):].tolist()
+
+
+class RawSession:
+    """A model-service session stream driven message by message, for protocol tests."""
+
+    def __init__(self, method: Callable[..., Iterator[Any]]) -> None:
+        self._requests: queue.Queue[Any] = queue.Queue()
+        self._responses = method(iter(self._requests.get, None))
+
+    def step(self, request: Any) -> Any:
+        self._requests.put(request)
+        return next(self._responses)
+
+    def close(self) -> None:
+        self._requests.put(None)

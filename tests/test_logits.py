@@ -1,0 +1,59 @@
+"""Logits processing: temperature, top-k, top-p, applied identically on both sides."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_host.logits import logits_to_probs
+from serving.errors import ServiceError
+from serving.sampling import SamplingParams
+
+
+def test_temperature_one_is_softmax():
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    assert torch.allclose(logits_to_probs(logits, SamplingParams(temperature=1.0)), logits.softmax(-1))
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    cold = logits_to_probs(logits, SamplingParams(temperature=0.5))
+    assert torch.allclose(cold, (logits / 0.5).softmax(-1))
+
+
+def test_top_k_keeps_k_tokens():
+    probs = logits_to_probs(torch.tensor([[0.1, 3.0, 2.0, -1.0, 2.5]]), SamplingParams(temperature=1.0, top_k=2))
+    assert (probs > 0).sum() == 2
+    assert probs[0, 1] > 0 and probs[0, 4] > 0
+    assert torch.isclose(probs.sum(), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize(
+    ("top_p", "kept"),
+    [(0.5, {0}), (0.6, {0, 1}), (0.8, {0, 1}), (0.81, {0, 1, 2}), (1.0, {0, 1, 2, 3})],
+)
+def test_top_p_keeps_smallest_set_reaching_mass(top_p: float, kept: set[int]):
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    assert {int(i) for i in (probs[0] > 0).nonzero().flatten()} == kept
+
+
+def test_greedy_forms_no_rows():
+    with pytest.raises(ValueError):
+        logits_to_probs(torch.zeros(1, 3), SamplingParams())
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        (SamplingParams(temperature=-0.1), "temperature"),
+        (SamplingParams(temperature=float("nan")), "temperature"),
+        (SamplingParams(temperature=1.0, top_p=0.0), "top_p"),
+        (SamplingParams(temperature=1.0, top_p=1.5), "top_p"),
+        (SamplingParams(temperature=1.0, top_k=-1), "top_k"),
+    ],
+)
+def test_bad_params_name_the_field(params: SamplingParams, field: str):
+    with pytest.raises(ServiceError) as error:
+        params.validated()
+    assert field in error.value.message

@@ -1,0 +1,216 @@
+"""The draft and target services over real gRPC: keep/append rollback, cache misses, limits, errors."""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from model_host.loading import LoadedModel
+from model_host.logits import logits_to_probs
+from serving.sampling import SamplingParams
+from serving.tensors import decode_prob_rows
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from tests.conftest import RawSession, wait_until
+from tests.servers import start_draft, start_target
+
+SAMPLE = SamplingParams(temperature=1.0).to_proto()
+OK = common_pb2.SESSION_RESULT_OK
+MISS = common_pb2.SESSION_RESULT_CACHE_MISS
+
+
+def _channel(server) -> grpc.Channel:
+    return grpc.insecure_channel(f"127.0.0.1:{server.port}")
+
+
+def _fresh_probs(model: LoadedModel, sequence: list[int]) -> torch.Tensor:
+    """Next-token distribution from a fresh prefill of the whole sequence, no cache. [vocab]"""
+    with torch.no_grad():
+        logits = model.model(torch.tensor([sequence])).logits[0, -1:]
+    return logits_to_probs(logits, SamplingParams(temperature=1.0))[0]
+
+
+def test_target_rollback_matches_fresh_prefill(target_server, target_model):
+    """Any accept/reject pattern: the cache then gives the same logits as a fresh prefill."""
+    rng = random.Random(0)
+    vocab = target_model.vocab_size
+    with _channel(target_server) as channel:
+        session = RawSession(target_pb2_grpc.TargetServiceStub(channel).Verify)
+        committed = [rng.randrange(1, vocab) for _ in range(5)]
+        fed = 0
+        for _ in range(25):
+            k = rng.randrange(0, 6)
+            block = [rng.randrange(1, vocab) for _ in range(k)]
+            response = session.step(target_pb2.VerifyRequest(
+                keep=fed, append_token_ids=committed[fed:] + block, num_rows=k + 1, sampling=SAMPLE))
+            assert response.result == OK
+            rows = decode_prob_rows(response.target_probs, vocab)
+            # the first row predicts after the last committed token: compare with a fresh prefill
+            assert torch.allclose(rows[0], _fresh_probs(target_model, committed), atol=1e-5)
+            accepted = rng.randrange(0, k + 1)
+            fed = len(committed) + accepted
+            committed += block[:accepted] + [rng.randrange(1, vocab)]
+        session.close()
+    assert wait_until(lambda: target_server.servicer.store.open_sessions == 0)
+
+
+def test_draft_rollback_including_unfed_last_token(close_draft_server, close_draft_model):
+    """After a full acceptance the draft never fed its last token; keep/append covers it."""
+    rng = random.Random(1)
+    vocab = close_draft_model.vocab_size
+    with _channel(close_draft_server) as channel:
+        session = RawSession(draft_pb2_grpc.DraftServiceStub(channel).Draft)
+        committed = [rng.randrange(1, vocab) for _ in range(4)]
+        fed = 0
+        full_acceptances = 0
+        for step in range(25):
+            k = rng.randrange(1, 6)
+            response = session.step(draft_pb2.DraftRequest(
+                keep=fed, append_token_ids=committed[fed:], num_speculative_tokens=k, sampling=SAMPLE, seed=step))
+            assert response.result == OK and len(response.draft_token_ids) == k
+            rows = decode_prob_rows(response.draft_probs, vocab)
+            assert torch.allclose(rows[0], _fresh_probs(close_draft_model, committed), atol=1e-5)
+            assert response.cached_tokens == len(committed) + k - 1
+            accepted = rng.choice([k, rng.randrange(0, k + 1)])
+            full_acceptances += accepted == k
+            fed = len(committed) + min(accepted, k - 1)
+            committed += list(response.draft_token_ids[:accepted]) + [rng.randrange(1, vocab)]
+        session.close()
+    assert full_acceptances > 3
+
+
+def test_draft_samples_from_the_rows_it_reports(close_draft_server, close_draft_model):
+    vocab = close_draft_model.vocab_size
+    with _channel(close_draft_server) as channel:
+        session = RawSession(draft_pb2_grpc.DraftServiceStub(channel).Draft)
+        response = session.step(draft_pb2.DraftRequest(
+            keep=0, append_token_ids=[3, 4, 5], num_speculative_tokens=6,
+            sampling=common_pb2.SamplingParams(temperature=0.7, top_k=5), seed=9))
+        rows = decode_prob_rows(response.draft_probs, vocab)
+        for row, token in zip(rows, response.draft_token_ids, strict=True):
+            assert row[token] > 0 and (row > 0).sum() <= 5
+            assert torch.isclose(row.sum(), torch.tensor(1.0))
+        session.close()
+
+
+def test_cache_miss_then_reopen(target_server):
+    with _channel(target_server) as channel:
+        session = RawSession(target_pb2_grpc.TargetServiceStub(channel).Verify)
+        # A first message that claims tokens the service never saw.
+        assert session.step(target_pb2.VerifyRequest(keep=3, append_token_ids=[1], num_rows=1)).result == MISS
+        assert session.step(target_pb2.VerifyRequest(keep=0, append_token_ids=[1, 2, 3, 4], num_rows=1)).result == OK
+        assert session.step(target_pb2.VerifyRequest(keep=9, append_token_ids=[1], num_rows=1)).result == MISS
+        target_server.servicer.store.evict_all()
+        assert session.step(target_pb2.VerifyRequest(keep=4, append_token_ids=[5], num_rows=1)).result == MISS
+        response = session.step(target_pb2.VerifyRequest(keep=0, append_token_ids=[1, 2, 3, 4, 5], num_rows=1))
+        assert response.result == OK and response.cached_tokens == 5
+        session.close()
+
+
+@pytest.mark.parametrize(
+    ("request_message", "words"),
+    [
+        (target_pb2.VerifyRequest(keep=0, append_token_ids=[1, 2], num_rows=3), "num_rows"),
+        (target_pb2.VerifyRequest(keep=0, append_token_ids=[1, 2], num_rows=0), "num_rows"),
+        (target_pb2.VerifyRequest(keep=0, append_token_ids=[1, 99999], num_rows=1), "vocabulary"),
+        (target_pb2.VerifyRequest(keep=0, append_token_ids=[1] * 300, num_rows=1), "context"),
+        (target_pb2.VerifyRequest(keep=0, append_token_ids=[1], num_rows=1,
+                                  sampling=common_pb2.SamplingParams(temperature=-1)), "temperature"),
+        (target_pb2.VerifyRequest(keep=0, append_token_ids=[1], num_rows=1,
+                                  sampling=common_pb2.SamplingParams(temperature=1, top_p=2)), "top_p"),
+    ],
+)
+def test_target_bad_requests(target_server, request_message, words):
+    with _channel(target_server) as channel:
+        session = RawSession(target_pb2_grpc.TargetServiceStub(channel).Verify)
+        with pytest.raises(grpc.RpcError) as error:
+            session.step(request_message)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert words in error.value.details()
+    assert wait_until(lambda: target_server.servicer.store.open_sessions == 0)
+
+
+@pytest.mark.parametrize(
+    ("request_message", "words"),
+    [
+        (draft_pb2.DraftRequest(keep=0, append_token_ids=[1], num_speculative_tokens=0), "num_speculative_tokens"),
+        (draft_pb2.DraftRequest(keep=0, append_token_ids=[1], num_speculative_tokens=99), "num_speculative_tokens"),
+        (draft_pb2.DraftRequest(keep=0, append_token_ids=[], num_speculative_tokens=2), "append_token_ids"),
+        (draft_pb2.DraftRequest(keep=0, append_token_ids=[1], num_speculative_tokens=2, min_confidence=2), "min_conf"),
+    ],
+)
+def test_draft_bad_requests(close_draft_server, request_message, words):
+    with _channel(close_draft_server) as channel:
+        session = RawSession(draft_pb2_grpc.DraftServiceStub(channel).Draft)
+        with pytest.raises(grpc.RpcError) as error:
+            session.step(request_message)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert words in error.value.details()
+
+
+def test_session_and_token_limits_leave_other_sessions_running(target_model):
+    server = start_target(target_model, max_sessions=2, max_cached_tokens=40)
+    try:
+        with _channel(server) as channel:
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            first, second, third = (RawSession(stub.Verify) for _ in range(3))
+            assert first.step(target_pb2.VerifyRequest(keep=0, append_token_ids=[1] * 10, num_rows=1)).result == OK
+            assert second.step(target_pb2.VerifyRequest(keep=0, append_token_ids=[2] * 10, num_rows=1)).result == OK
+            with pytest.raises(grpc.RpcError) as error:
+                third.step(target_pb2.VerifyRequest(keep=0, append_token_ids=[3], num_rows=1))
+            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-sessions" in error.value.details()
+            with pytest.raises(grpc.RpcError) as error:
+                second.step(target_pb2.VerifyRequest(keep=10, append_token_ids=[2] * 25, num_rows=1))
+            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-cached-tokens" in error.value.details()
+            # the first session is unaffected
+            assert first.step(target_pb2.VerifyRequest(keep=10, append_token_ids=[4], num_rows=1)).result == OK
+            first.close()
+        assert wait_until(lambda: server.servicer.store.open_sessions == 0)
+        assert server.servicer.store.cached_tokens == 0
+    finally:
+        server.stop()
+
+
+def test_idle_session_expires_and_costs_one_prefill(target_model):
+    server = start_target(target_model, session_idle_timeout_s=0.3)
+    try:
+        with _channel(server) as channel:
+            session = RawSession(target_pb2_grpc.TargetServiceStub(channel).Verify)
+            assert session.step(target_pb2.VerifyRequest(keep=0, append_token_ids=[1, 2], num_rows=1)).result == OK
+            assert wait_until(lambda: server.servicer.store.cached_tokens == 0, timeout_s=5)
+            assert session.step(target_pb2.VerifyRequest(keep=2, append_token_ids=[3], num_rows=1)).result == MISS
+            session.close()
+    finally:
+        server.stop()
+
+
+def test_model_info_health_and_reflection(target_server, target_model):
+    with _channel(target_server) as channel:
+        info = target_pb2_grpc.TargetServiceStub(channel).GetModelInfo(common_pb2.GetModelInfoRequest())
+        assert info.vocab_size == target_model.vocab_size and info.max_context == 256
+        assert info.tokenizer_fingerprint == target_model.tokenizer_fingerprint != ""
+        assert list(info.eos_token_ids) == [0]
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", "specdec.v1.TargetService"):
+            status = health.Check(health_pb2.HealthCheckRequest(service=name)).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answers = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name for answer in answers for s in answer.list_services_response.service}
+        assert {"specdec.v1.TargetService", "grpc.health.v1.Health"} <= names
+
+
+def test_drain_sets_not_serving(close_draft_model):
+    server = start_draft(close_draft_model)
+    with _channel(server) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        server.health.enter_graceful_shutdown()
+        status = health.Check(health_pb2.HealthCheckRequest(service="")).status
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    server.drain(0.1)
