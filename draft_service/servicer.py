@@ -35,7 +35,9 @@ def choose_token(
     return token, probs, float(probs[token])
 
 
-class DraftServicer(SessionServicer[draft_pb2.DraftRequest, draft_pb2.DraftResponse], draft_pb2_grpc.DraftServiceServicer):
+class DraftServicer(
+    SessionServicer[draft_pb2.DraftRequest, draft_pb2.DraftResponse], draft_pb2_grpc.DraftServiceServicer
+):
     role = "draft"
 
     def Draft(
@@ -43,7 +45,9 @@ class DraftServicer(SessionServicer[draft_pb2.DraftRequest, draft_pb2.DraftRespo
     ) -> Iterator[draft_pb2.DraftResponse]:
         return self.serve_session(request_iterator, context)
 
-    def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: grpc.ServicerContext) -> common_pb2.ModelInfo:
+    def GetModelInfo(
+        self, request: common_pb2.GetModelInfoRequest, context: grpc.ServicerContext
+    ) -> common_pb2.ModelInfo:
         return self.model_info()
 
     def tokens_fed_by(self, request: draft_pb2.DraftRequest) -> int:
@@ -55,7 +59,9 @@ class DraftServicer(SessionServicer[draft_pb2.DraftRequest, draft_pb2.DraftRespo
             raise invalid_argument("append_token_ids must hold at least one token (drafting continues from the last)")
         cap = self.config.max_speculative_tokens
         if not 1 <= request.num_speculative_tokens <= cap:
-            raise invalid_argument(f"num_speculative_tokens must be in [1, {cap}]; got {request.num_speculative_tokens}")
+            raise invalid_argument(
+                f"num_speculative_tokens must be in [1, {cap}]; got {request.num_speculative_tokens}"
+            )
         if not 0.0 <= request.min_confidence <= 1.0:
             raise invalid_argument(f"min_confidence must be in [0, 1]; got {request.min_confidence}")
         SamplingParams.from_proto(request.sampling)

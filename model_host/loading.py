@@ -111,6 +111,13 @@ def load_model(model_id: str, device: str = "cpu", dtype: str = "auto") -> Loade
         eos_token_ids=_eos_ids(model, tokenizer),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer) if tokenizer is not None else "",
     )
-    log.info("model_loaded", model=model_id, device=device, dtype=str(loaded.dtype), vocab_size=vocab_size,
-             parameters=model.num_parameters(), max_context=max_context)
+    log.info(
+        "model_loaded",
+        model=model_id,
+        device=device,
+        dtype=str(loaded.dtype),
+        vocab_size=vocab_size,
+        parameters=model.num_parameters(),
+        max_context=max_context,
+    )
     return loaded

@@ -90,9 +90,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
     def feed(self, session: Session, token_ids: Sequence[int], rows: int) -> torch.Tensor:
         """Feed tokens through the model on the session's cache; logits of the last `rows`. [rows, vocab]"""
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.loaded.input_device)
-        output = self.loaded.model(
-            input_ids=input_ids, cache=session.cache, use_cache=True, logits_to_keep=rows
-        )
+        output = self.loaded.model(input_ids=input_ids, cache=session.cache, use_cache=True, logits_to_keep=rows)
         FED_TOKENS.labels(self.role).inc(len(token_ids))
         return output.logits[0, -rows:]
 

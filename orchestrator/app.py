@@ -41,8 +41,14 @@ async def start_orchestrator(config: OrchestratorConfig) -> RunningOrchestrator:
     health = await serving.add_standard_services_async(server, [SERVICE_NAME])
     port = serving.bind(server, config.host, config.port)
     await server.start()
-    log.info("serving", service=SERVICE_NAME, host=config.host, port=port,
-             target=servicer.target_info.model, draft=servicer.draft.info.model if servicer.draft and servicer.draft.info else None)
+    log.info(
+        "serving",
+        service=SERVICE_NAME,
+        host=config.host,
+        port=port,
+        target=servicer.target_info.model,
+        draft=servicer.draft.info.model if servicer.draft and servicer.draft.info else None,
+    )
     return RunningOrchestrator(server, port, servicer, health)
 
 

@@ -1,6 +1,6 @@
 """Command-line client: stream a generation to the terminal, or print one JSON object.
 
-    python -m orchestrator.client --server HOST:PORT --prompt TEXT [--json]
+python -m orchestrator.client --server HOST:PORT --prompt TEXT [--json]
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ def build_request(args: argparse.Namespace) -> orchestrator_pb2.GenerateRequest:
     return request
 
 
-def generate(stub: orchestrator_pb2_grpc.OrchestratorStub, request: orchestrator_pb2.GenerateRequest,
-             echo: bool = False) -> GenerateResult:
+def generate(
+    stub: orchestrator_pb2_grpc.OrchestratorStub, request: orchestrator_pb2.GenerateRequest, echo: bool = False
+) -> GenerateResult:
     """Run one Generate call; with echo, write text deltas to stdout as they arrive."""
     from google.protobuf.json_format import MessageToDict
 
@@ -72,10 +73,12 @@ def generate(stub: orchestrator_pb2_grpc.OrchestratorStub, request: orchestrator
             sys.stdout.write(message.text)
             sys.stdout.flush()
         if message.finish_reason:
-            result.finish_reason = orchestrator_pb2.FinishReason.Name(message.finish_reason).removeprefix(
-                "FINISH_REASON_").lower()
-            result.stats = MessageToDict(message.stats, preserving_proto_field_name=True,
-                                         always_print_fields_with_no_presence=True)
+            result.finish_reason = (
+                orchestrator_pb2.FinishReason.Name(message.finish_reason).removeprefix("FINISH_REASON_").lower()
+            )
+            result.stats = MessageToDict(
+                message.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+            )
     result.wall_seconds = time.perf_counter() - started
     return result
 
@@ -95,8 +98,9 @@ def summary(result: GenerateResult) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="orchestrator.client", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="orchestrator.client", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--server", default="127.0.0.1:50050", help="orchestrator HOST:PORT")
     parser.add_argument("--prompt", required=True, help="prompt text")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -106,8 +110,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--num-speculative-tokens", type=int, default=None, help="K; 0 is the target alone")
     parser.add_argument("--policy", choices=sorted(_POLICIES), default=None, help="how K changes between rounds")
-    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
-                        help="overlapped drafting (server default when unset)")
+    parser.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="overlapped drafting (server default when unset)",
+    )
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the server")
@@ -122,9 +130,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             if args.json:
                 result = generate(stub, build_request(args))
-                print(json.dumps({"text": result.text, "token_ids": result.token_ids,
-                                  "finish_reason": result.finish_reason, "request_id": result.request_id,
-                                  "wall_seconds": result.wall_seconds, "stats": result.stats}))
+                print(
+                    json.dumps(
+                        {
+                            "text": result.text,
+                            "token_ids": result.token_ids,
+                            "finish_reason": result.finish_reason,
+                            "request_id": result.request_id,
+                            "wall_seconds": result.wall_seconds,
+                            "stats": result.stats,
+                        }
+                    )
+                )
             else:
                 sys.stdout.write(args.prompt)
                 result = generate(stub, build_request(args), echo=True)

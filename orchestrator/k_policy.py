@@ -24,8 +24,8 @@ class KPolicy(abc.ABC):
     @abc.abstractmethod
     def next_k(self) -> int: ...
 
-    def observe(self, verdict: Verdict, draft_seconds: float = 0.0, target_seconds: float = 0.0) -> None:
-        """Learn from a finished round (its verdict and the services' forward times)."""
+    def observe(self, verdict: Verdict, draft_seconds: float = 0.0, target_seconds: float = 0.0) -> None:  # noqa: B027
+        """Learn from a finished round (its verdict and the services' forward times); a no-op by default."""
 
 
 class FixedK(KPolicy):

@@ -81,23 +81,55 @@ class LocalStack:
         try:
             target_port = free_port()
             self.target_address = f"{LOOPBACK}:{target_port}"
-            target = self._spawn("target", ["target_service", "--model", self.target_model, "--host", LOOPBACK,
-                                            "--port", str(target_port), *self.extra_service_args])
+            target = self._spawn(
+                "target",
+                [
+                    "target_service",
+                    "--model",
+                    self.target_model,
+                    "--host",
+                    LOOPBACK,
+                    "--port",
+                    str(target_port),
+                    *self.extra_service_args,
+                ],
+            )
             orchestrator_args = ["--target", self.target_address]
             waits = [(self.target_address, target)]
             if self.draft_model:
                 draft_port = free_port()
                 self.draft_address = f"{LOOPBACK}:{draft_port}"
-                draft = self._spawn("draft", ["draft_service", "--model", self.draft_model, "--host", LOOPBACK,
-                                              "--port", str(draft_port), *self.extra_service_args])
+                draft = self._spawn(
+                    "draft",
+                    [
+                        "draft_service",
+                        "--model",
+                        self.draft_model,
+                        "--host",
+                        LOOPBACK,
+                        "--port",
+                        str(draft_port),
+                        *self.extra_service_args,
+                    ],
+                )
                 orchestrator_args += ["--draft", self.draft_address]
                 waits.append((self.draft_address, draft))
             for address, process in waits:
                 wait_serving(address, self.startup_timeout_s, process)
             port = free_port()
             self.orchestrator_address = f"{LOOPBACK}:{port}"
-            orchestrator = self._spawn("orchestrator", ["orchestrator", *orchestrator_args, "--host", LOOPBACK,
-                                                        "--port", str(port), *self.extra_orchestrator_args])
+            orchestrator = self._spawn(
+                "orchestrator",
+                [
+                    "orchestrator",
+                    *orchestrator_args,
+                    "--host",
+                    LOOPBACK,
+                    "--port",
+                    str(port),
+                    *self.extra_orchestrator_args,
+                ],
+            )
             wait_serving(self.orchestrator_address, self.startup_timeout_s, orchestrator)
         except BaseException:
             self.stop()
@@ -122,8 +154,9 @@ class LocalStack:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="orchestrator.local_stack", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="orchestrator.local_stack", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--target-model", required=True)
     parser.add_argument("--draft-model", default=None)
     parser.add_argument("--prompt", required=True)
@@ -132,30 +165,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--log-dir", type=Path, default=None, help="write each service's log here")
     args = parser.parse_args(argv)
-    print(f"starting target ({args.target_model}), draft ({args.draft_model}) and orchestrator on {LOOPBACK} ...",
-          file=sys.stderr)
-    with LocalStack(args.target_model, args.draft_model, log_dir=args.log_dir) as stack:
-        with grpc.insecure_channel(stack.orchestrator_address) as channel:
-            stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
-            request = orchestrator_pb2.GenerateRequest(
-                text=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=0,
-                num_speculative_tokens=args.num_speculative_tokens if args.draft_model else 0,
+    print(
+        f"starting target ({args.target_model}), draft ({args.draft_model}) and orchestrator on {LOOPBACK} ...",
+        file=sys.stderr,
+    )
+    with (
+        LocalStack(args.target_model, args.draft_model, log_dir=args.log_dir) as stack,
+        grpc.insecure_channel(stack.orchestrator_address) as channel,
+    ):
+        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        request = orchestrator_pb2.GenerateRequest(
+            text=args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            seed=0,
+            num_speculative_tokens=args.num_speculative_tokens if args.draft_model else 0,
+        )
+        generate(stub, request)  # warm-up: first forward passes allocate and compile kernels
+        print(f"--- specdec, K = {request.num_speculative_tokens} ---\n{args.prompt}", end="")
+        speculative = generate(stub, request, echo=True)
+        print("\n\n" + summary(speculative))
+        if args.draft_model:
+            request.num_speculative_tokens = 0
+            baseline = generate(stub, request)
+            if args.temperature == 0:
+                same = "identical" if baseline.token_ids == speculative.token_ids else "DIFFERENT"
+            else:
+                same = "sampled from the same distribution"
+            speedup = (len(speculative.token_ids) / speculative.wall_seconds) / (
+                len(baseline.token_ids) / baseline.wall_seconds
             )
-            generate(stub, request)  # warm-up: first forward passes allocate and compile kernels
-            print(f"--- specdec, K = {request.num_speculative_tokens} ---\n{args.prompt}", end="")
-            speculative = generate(stub, request, echo=True)
-            print("\n\n" + summary(speculative))
-            if args.draft_model:
-                request.num_speculative_tokens = 0
-                baseline = generate(stub, request)
-                if args.temperature == 0:
-                    same = "identical" if baseline.token_ids == speculative.token_ids else "DIFFERENT"
-                else:
-                    same = "sampled from the same distribution"
-                speedup = (len(speculative.token_ids) / speculative.wall_seconds) / (
-                    len(baseline.token_ids) / baseline.wall_seconds)
-                print(f"target alone (K = 0): {summary(baseline)}")
-                print(f"speed-up over the target alone: {speedup:.2f}x; outputs {same}")
+            print(f"target alone (K = 0): {summary(baseline)}")
+            print(f"speed-up over the target alone: {speedup:.2f}x; outputs {same}")
     return 0
 
 

@@ -18,7 +18,9 @@ PROMPT_TOKENS = Counter("specdec:prompt_tokens", "Prompt tokens received")
 REQUESTS_FINISHED = Counter("specdec:request_success", "Finished requests by finish reason", ["finished_reason"])
 REQUESTS_FAILED = Counter("specdec:request_failure", "Failed requests by gRPC status", ["code"])
 SESSION_REOPENS = Counter("specdec:session_reopens", "Service sessions reopened with the full sequence")
-DRAFT_FALLBACK_ROUNDS = Counter("specdec:draft_fallback_rounds", "Rounds decoded by the target alone after a draft failure")
+DRAFT_FALLBACK_ROUNDS = Counter(
+    "specdec:draft_fallback_rounds", "Rounds decoded by the target alone after a draft failure"
+)
 REQUESTS_RUNNING = Gauge("specdec:num_requests_running", "Generate calls in progress")
 TIME_TO_FIRST_TOKEN = Histogram(
     "specdec:time_to_first_token_seconds", "Time to the first streamed token", buckets=_LATENCY_BUCKETS

@@ -15,7 +15,15 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from orchestrator import metrics
 from orchestrator.config import POLICIES, OrchestratorConfig
-from orchestrator.generation import DraftAvailability, Generation, GenerationRequest, ModelLimits, Stats
+from orchestrator.generation import (
+    DraftAvailability,
+    DraftStream,
+    Generation,
+    GenerationRequest,
+    ModelLimits,
+    Stats,
+    TargetStream,
+)
 from orchestrator.k_policy import make_policy
 from orchestrator.text import TextStream
 from orchestrator.upstream import ReplicaPool, SessionStream
@@ -48,8 +56,10 @@ def check_pair(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo) -> Non
             f"draft model {draft.model!r} has a vocabulary of {draft.vocab_size} tokens but target model "
             f"{target.model!r} has {target.vocab_size}; choose a draft that shares the target's tokenizer"
         )
-    if draft.tokenizer_fingerprint and target.tokenizer_fingerprint and (
-        draft.tokenizer_fingerprint != target.tokenizer_fingerprint
+    if (
+        draft.tokenizer_fingerprint
+        and target.tokenizer_fingerprint
+        and (draft.tokenizer_fingerprint != target.tokenizer_fingerprint)
     ):
         raise PairMismatch(
             f"draft model {draft.model!r} and target model {target.model!r} have different tokenizers "
@@ -65,7 +75,9 @@ async def fetch_model_info(pool: ReplicaPool, timeout_s: float) -> common_pb2.Mo
     while True:
         for replica in pool.replicas:
             try:
-                info: common_pb2.ModelInfo = await replica.stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=5.0)
+                info: common_pb2.ModelInfo = await replica.stub.GetModelInfo(
+                    common_pb2.GetModelInfoRequest(), timeout=5.0
+                )
                 return info
             except grpc.aio.AioRpcError as exc:
                 last_error = f"{replica.address}: {exc.code().name} {exc.details()}"
@@ -114,7 +126,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             await pool.start()
             draft = DraftSide(pool)
             try:
-                draft.info = await fetch_model_info(pool, min(config.startup_timeout_s, 10.0))
+                draft.info = await fetch_model_info(pool, min(config.startup_timeout_s, config.draft_retry_after_s))
                 check_pair(target_info, draft.info)
             except ConnectionError as exc:
                 log.warning("draft_unreachable_at_startup", error=str(exc), fallback="target alone until it answers")
@@ -156,7 +168,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     # --- GetInfo -------------------------------------------------------------------------------
 
-    async def GetInfo(self, request: orchestrator_pb2.GetInfoRequest, context: grpc.aio.ServicerContext) -> orchestrator_pb2.GetInfoResponse:
+    async def GetInfo(
+        self, request: orchestrator_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> orchestrator_pb2.GetInfoResponse:
         response = orchestrator_pb2.GetInfoResponse(
             target=self.target_info,
             max_new_tokens_cap=self.config.max_new_tokens_cap,
@@ -198,7 +212,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         cfg = self.config
         prompt = self._prompt_ids(request)
         if not 1 <= request.max_new_tokens <= cfg.max_new_tokens_cap:
-            raise invalid_argument(f"max_new_tokens must be in [1, {cfg.max_new_tokens_cap}]; got {request.max_new_tokens}")
+            raise invalid_argument(
+                f"max_new_tokens must be in [1, {cfg.max_new_tokens_cap}]; got {request.max_new_tokens}"
+            )
         sampling = SamplingParams(
             temperature=request.temperature,
             top_k=request.top_k,
@@ -214,7 +230,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 "(start it with --draft HOST:PORT, or send num_speculative_tokens = 0)"
             )
         if request.speculation_policy and request.speculation_policy not in _POLICY_BY_ENUM:
-            raise invalid_argument(f"speculation_policy {request.speculation_policy} is unknown; use one of {', '.join(POLICIES)}")
+            raise invalid_argument(
+                f"speculation_policy {request.speculation_policy} is unknown; use one of {', '.join(POLICIES)}"
+            )
         policy = _POLICY_BY_ENUM.get(request.speculation_policy, cfg.speculation_policy)
         if len(request.stop) > _MAX_STOP_STRINGS or any(not s for s in request.stop):
             raise invalid_argument(f"stop takes at most {_MAX_STOP_STRINGS} non-empty strings")
@@ -244,14 +262,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     def _generation(self, request: GenerationRequest, policy: str) -> Generation:
         cfg = self.config
-        target = SessionStream(
+        target: TargetStream = SessionStream(
             self.target_pool,
             lambda stub, metadata: stub.Verify(metadata=metadata),
             request.request_id,
             attempts=cfg.target_attempts,
             backoff_s=cfg.target_backoff_s,
         )
-        draft = None
+        draft: DraftStream | None = None
         if self.draft is not None and self.draft.info is not None and request.num_speculative_tokens > 0:
             draft = SessionStream(
                 self.draft.pool, lambda stub, metadata: stub.Draft(metadata=metadata), request.request_id, attempts=1
@@ -277,7 +295,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         generation_request, policy = self.validate(request)
         generation = self._generation(generation_request, policy)
         text = TextStream(self.tokenizer, list(request.stop))
-        finish = orchestrator_pb2.FINISH_REASON_UNSPECIFIED
+        finish: int = orchestrator_pb2.FINISH_REASON_UNSPECIFIED
         streamed = 0
         self._running += 1
         metrics.REQUESTS_RUNNING.inc()
@@ -304,7 +322,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             stats.output_tokens = streamed
             yield orchestrator_pb2.GenerateResponse(
                 text="" if finish == orchestrator_pb2.FINISH_REASON_STOP else text.finish(),
-                finish_reason=finish,
+                finish_reason=finish,  # type: ignore[arg-type]
                 stats=stats.to_proto(generation.reopens, generation.wire_bytes),
                 request_id=generation_request.request_id if first else "",
             )

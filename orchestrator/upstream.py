@@ -66,7 +66,7 @@ async def resolve(name: str) -> list[str]:
     """All addresses of a DNS name (a headless Service resolves to every ready pod)."""
     host, _, port = name.rpartition(":")
     infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    hosts = sorted({info[4][0] for info in infos})
+    hosts = sorted({str(info[4][0]) for info in infos})
     return [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in hosts]
 
 

@@ -17,9 +17,13 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_type: type[Any]
     for field in dataclasses.fields(config_type):
         default = os.environ.get(env_name(field.name), field.default)
         flag = "--" + field.name.replace("_", "-")
-        kind = type(field.default)
+        kind: Any = type(field.default)
         if kind is bool:
-            parser.add_argument(flag, default=str(default).lower() in ("1", "true", "yes"),
-                                action=argparse.BooleanOptionalAction, help=helps.get(field.name))
+            parser.add_argument(
+                flag,
+                default=str(default).lower() in ("1", "true", "yes"),
+                action=argparse.BooleanOptionalAction,
+                help=helps.get(field.name),
+            )
         else:
             parser.add_argument(flag, type=kind, default=kind(default), help=helps.get(field.name))

@@ -38,7 +38,9 @@ def add_standard_services(server: grpc.Server, service_names: Sequence[str]) -> 
     return servicer
 
 
-async def add_standard_services_async(server: grpc.aio.Server, service_names: Sequence[str]) -> health_aio.HealthServicer:
+async def add_standard_services_async(
+    server: grpc.aio.Server, service_names: Sequence[str]
+) -> health_aio.HealthServicer:
     """The asyncio twin of add_standard_services."""
     servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)

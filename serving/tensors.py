@@ -14,7 +14,7 @@ _TO_TORCH: dict[int, torch.dtype] = {
     common_pb2.DTYPE_BFLOAT16: torch.bfloat16,
     common_pb2.DTYPE_INT32: torch.int32,
 }
-_TO_WIRE: dict[torch.dtype, common_pb2.DType.ValueType] = {v: k for k, v in _TO_TORCH.items()}  # type: ignore[misc]
+_TO_WIRE: dict[torch.dtype, int] = {v: k for k, v in _TO_TORCH.items()}
 
 
 class WireFormatError(ValueError):
@@ -27,7 +27,7 @@ def tensor_to_proto(tensor: torch.Tensor) -> common_pb2.Tensor:
         raise WireFormatError(f"dtype {tensor.dtype} cannot travel; use one of {sorted(map(str, _TO_WIRE))}")
     host = tensor.detach().to("cpu").contiguous()
     return common_pb2.Tensor(
-        dtype=_TO_WIRE[host.dtype],
+        dtype=_TO_WIRE[host.dtype],  # type: ignore[arg-type]
         shape=list(host.shape),
         data=host.view(torch.uint8).numpy().tobytes() if host.numel() else b"",
     )

@@ -17,7 +17,9 @@ from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 SERVICE_NAME = "specdec.v1.TargetService"
 
 
-class TargetServicer(SessionServicer[target_pb2.VerifyRequest, target_pb2.VerifyResponse], target_pb2_grpc.TargetServiceServicer):
+class TargetServicer(
+    SessionServicer[target_pb2.VerifyRequest, target_pb2.VerifyResponse], target_pb2_grpc.TargetServiceServicer
+):
     role = "target"
 
     def Verify(
@@ -25,7 +27,9 @@ class TargetServicer(SessionServicer[target_pb2.VerifyRequest, target_pb2.Verify
     ) -> Iterator[target_pb2.VerifyResponse]:
         return self.serve_session(request_iterator, context)
 
-    def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: grpc.ServicerContext) -> common_pb2.ModelInfo:
+    def GetModelInfo(
+        self, request: common_pb2.GetModelInfoRequest, context: grpc.ServicerContext
+    ) -> common_pb2.ModelInfo:
         return self.model_info()
 
     def check_step(self, request: target_pb2.VerifyRequest) -> None:

@@ -87,7 +87,9 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
     return predicate()
 
 
-def collect(stub: Any, request: orchestrator_pb2.GenerateRequest) -> tuple[list[int], str, orchestrator_pb2.GenerateResponse]:
+def collect(
+    stub: Any, request: orchestrator_pb2.GenerateRequest
+) -> tuple[list[int], str, orchestrator_pb2.GenerateResponse]:
     """All token ids and text of a Generate call, and its last message."""
     ids: list[int] = []
     text = ""
@@ -104,10 +106,14 @@ def hf_greedy(model: LoadedModel, prompt: list[int], max_new_tokens: int) -> lis
     """The target model decoding alone: Hugging Face generate(), greedy."""
     with torch.no_grad():
         output = model.model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-            pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            torch.tensor([prompt]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            num_beams=1,
+            pad_token_id=0,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         )
-    return output[0, len(prompt):].tolist()
+    return output[0, len(prompt) :].tolist()
 
 
 class RawSession:

@@ -10,14 +10,18 @@ from typing import Any, TypeVar
 
 import grpc
 
-from draft_service.servicer import SERVICE_NAME as DRAFT_SERVICE, DraftServicer, register as register_draft
+from draft_service.servicer import SERVICE_NAME as DRAFT_SERVICE
+from draft_service.servicer import DraftServicer
+from draft_service.servicer import register as register_draft
 from model_host.config import ModelServiceConfig
 from model_host.loading import LoadedModel, load_model
 from model_host.runtime import ModelServer, start_model_server
 from orchestrator.app import RunningOrchestrator, start_orchestrator
 from orchestrator.config import OrchestratorConfig
 from specdec.v1 import orchestrator_pb2_grpc
-from target_service.servicer import SERVICE_NAME as TARGET_SERVICE, TargetServicer, register as register_target
+from target_service.servicer import SERVICE_NAME as TARGET_SERVICE
+from target_service.servicer import TargetServicer
+from target_service.servicer import register as register_target
 
 T = TypeVar("T")
 LOOPBACK = "127.0.0.1"
@@ -56,7 +60,9 @@ class OrchestratorThread:
         self._thread.join(10)
 
 
-def orchestrator_config(target: ModelServer | str, draft: ModelServer | str | None = None, **overrides: Any) -> OrchestratorConfig:
+def orchestrator_config(
+    target: ModelServer | str, draft: ModelServer | str | None = None, **overrides: Any
+) -> OrchestratorConfig:
     def address(server: ModelServer | str) -> str:
         return server if isinstance(server, str) else f"{LOOPBACK}:{server.port}"
 

@@ -46,8 +46,10 @@ def test_identical_to_target_generate(orchestrators, target_model, references, d
     first_position_trials = first_position_accepted = 0
     for prompt, expected in references.items():
         request = orchestrator_pb2.GenerateRequest(
-            token_ids=orchestrator_pb2.TokenIds(ids=list(prompt)), max_new_tokens=MAX_NEW_TOKENS,
-            num_speculative_tokens=k, speculation_policy=orchestrator_pb2.SPECULATION_POLICY_FIXED,
+            token_ids=orchestrator_pb2.TokenIds(ids=list(prompt)),
+            max_new_tokens=MAX_NEW_TOKENS,
+            num_speculative_tokens=k,
+            speculation_policy=orchestrator_pb2.SPECULATION_POLICY_FIXED,
         )
         got, _, last = collect(stub, request)
         assert got == expected, _explain(target_model, list(prompt), expected, got)
@@ -59,12 +61,16 @@ def test_identical_to_target_generate(orchestrators, target_model, references, d
     assert rate > 0.6 if draft == "close" else rate < 0.2, rate
 
 
-@pytest.mark.parametrize("policy", [orchestrator_pb2.SPECULATION_POLICY_HEURISTIC, orchestrator_pb2.SPECULATION_POLICY_COST_MODEL])
+@pytest.mark.parametrize(
+    "policy", [orchestrator_pb2.SPECULATION_POLICY_HEURISTIC, orchestrator_pb2.SPECULATION_POLICY_COST_MODEL]
+)
 def test_adaptive_policies_stay_exact(orchestrators, target_model, references, policy):
     for prompt, expected in list(references.items())[:8]:
         request = orchestrator_pb2.GenerateRequest(
-            token_ids=orchestrator_pb2.TokenIds(ids=list(prompt)), max_new_tokens=MAX_NEW_TOKENS,
-            num_speculative_tokens=3, speculation_policy=policy,
+            token_ids=orchestrator_pb2.TokenIds(ids=list(prompt)),
+            max_new_tokens=MAX_NEW_TOKENS,
+            num_speculative_tokens=3,
+            speculation_policy=policy,
         )
         got, _, _ = collect(orchestrators["close"].stub, request)
         assert got == expected, _explain(target_model, list(prompt), expected, got)
@@ -73,7 +79,8 @@ def test_adaptive_policies_stay_exact(orchestrators, target_model, references, p
 def test_target_alone_is_exact(orchestrators, target_model, references):
     for prompt, expected in list(references.items())[:5]:
         request = orchestrator_pb2.GenerateRequest(
-            token_ids=orchestrator_pb2.TokenIds(ids=list(prompt)), max_new_tokens=MAX_NEW_TOKENS)
+            token_ids=orchestrator_pb2.TokenIds(ids=list(prompt)), max_new_tokens=MAX_NEW_TOKENS
+        )
         got, _, last = collect(orchestrators["none"].stub, request)
         assert got == expected
         assert last.stats.draft_tokens == 0 and last.stats.rounds == len(got)

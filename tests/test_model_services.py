@@ -45,15 +45,18 @@ def test_target_rollback_matches_fresh_prefill(target_server, target_model):
         for _ in range(25):
             k = rng.randrange(0, 6)
             block = [rng.randrange(1, vocab) for _ in range(k)]
-            response = session.step(target_pb2.VerifyRequest(
-                keep=fed, append_token_ids=committed[fed:] + block, num_rows=k + 1, sampling=SAMPLE))
+            response = session.step(
+                target_pb2.VerifyRequest(
+                    keep=fed, append_token_ids=committed[fed:] + block, num_rows=k + 1, sampling=SAMPLE
+                )
+            )
             assert response.result == OK
             rows = decode_prob_rows(response.target_probs, vocab)
             # the first row predicts after the last committed token: compare with a fresh prefill
             assert torch.allclose(rows[0], _fresh_probs(target_model, committed), atol=1e-5)
             accepted = rng.randrange(0, k + 1)
             fed = len(committed) + accepted
-            committed += block[:accepted] + [rng.randrange(1, vocab)]
+            committed += [*block[:accepted], rng.randrange(1, vocab)]
         session.close()
     assert wait_until(lambda: target_server.servicer.store.open_sessions == 0)
 
@@ -69,8 +72,11 @@ def test_draft_rollback_including_unfed_last_token(close_draft_server, close_dra
         full_acceptances = 0
         for step in range(25):
             k = rng.randrange(1, 6)
-            response = session.step(draft_pb2.DraftRequest(
-                keep=fed, append_token_ids=committed[fed:], num_speculative_tokens=k, sampling=SAMPLE, seed=step))
+            response = session.step(
+                draft_pb2.DraftRequest(
+                    keep=fed, append_token_ids=committed[fed:], num_speculative_tokens=k, sampling=SAMPLE, seed=step
+                )
+            )
             assert response.result == OK and len(response.draft_token_ids) == k
             rows = decode_prob_rows(response.draft_probs, vocab)
             assert torch.allclose(rows[0], _fresh_probs(close_draft_model, committed), atol=1e-5)
@@ -78,7 +84,7 @@ def test_draft_rollback_including_unfed_last_token(close_draft_server, close_dra
             accepted = rng.choice([k, rng.randrange(0, k + 1)])
             full_acceptances += accepted == k
             fed = len(committed) + min(accepted, k - 1)
-            committed += list(response.draft_token_ids[:accepted]) + [rng.randrange(1, vocab)]
+            committed += [*list(response.draft_token_ids[:accepted]), rng.randrange(1, vocab)]
         session.close()
     assert full_acceptances > 3
 
@@ -87,9 +93,15 @@ def test_draft_samples_from_the_rows_it_reports(close_draft_server, close_draft_
     vocab = close_draft_model.vocab_size
     with _channel(close_draft_server) as channel:
         session = RawSession(draft_pb2_grpc.DraftServiceStub(channel).Draft)
-        response = session.step(draft_pb2.DraftRequest(
-            keep=0, append_token_ids=[3, 4, 5], num_speculative_tokens=6,
-            sampling=common_pb2.SamplingParams(temperature=0.7, top_k=5), seed=9))
+        response = session.step(
+            draft_pb2.DraftRequest(
+                keep=0,
+                append_token_ids=[3, 4, 5],
+                num_speculative_tokens=6,
+                sampling=common_pb2.SamplingParams(temperature=0.7, top_k=5),
+                seed=9,
+            )
+        )
         rows = decode_prob_rows(response.draft_probs, vocab)
         for row, token in zip(rows, response.draft_token_ids, strict=True):
             assert row[token] > 0 and (row > 0).sum() <= 5
@@ -118,10 +130,18 @@ def test_cache_miss_then_reopen(target_server):
         (target_pb2.VerifyRequest(keep=0, append_token_ids=[1, 2], num_rows=0), "num_rows"),
         (target_pb2.VerifyRequest(keep=0, append_token_ids=[1, 99999], num_rows=1), "vocabulary"),
         (target_pb2.VerifyRequest(keep=0, append_token_ids=[1] * 300, num_rows=1), "context"),
-        (target_pb2.VerifyRequest(keep=0, append_token_ids=[1], num_rows=1,
-                                  sampling=common_pb2.SamplingParams(temperature=-1)), "temperature"),
-        (target_pb2.VerifyRequest(keep=0, append_token_ids=[1], num_rows=1,
-                                  sampling=common_pb2.SamplingParams(temperature=1, top_p=2)), "top_p"),
+        (
+            target_pb2.VerifyRequest(
+                keep=0, append_token_ids=[1], num_rows=1, sampling=common_pb2.SamplingParams(temperature=-1)
+            ),
+            "temperature",
+        ),
+        (
+            target_pb2.VerifyRequest(
+                keep=0, append_token_ids=[1], num_rows=1, sampling=common_pb2.SamplingParams(temperature=1, top_p=2)
+            ),
+            "top_p",
+        ),
     ],
 )
 def test_target_bad_requests(target_server, request_message, words):

@@ -21,8 +21,9 @@ def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=EOS, unk_token=EOS)
 
 
-def tiny_llama(vocab_size: int, seed: int, hidden: int = 32, layers: int = 2, max_context: int = 256,
-               init_range: float = 0.2) -> LlamaForCausalLM:
+def tiny_llama(
+    vocab_size: int, seed: int, hidden: int = 32, layers: int = 2, max_context: int = 256, init_range: float = 0.2
+) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,

@@ -1,0 +1,227 @@
+"""Sampling exactness: the first three generated tokens follow the target's exact distribution.
+
+A tiny-vocabulary target makes the distribution of the first three tokens computable exactly
+(vocab^3 outcomes). The orchestrator's real Generation loop runs 20,000 times per setting against
+stand-ins for the two services that answer from the tiny models' own logits (computed once per
+prefix) through the same code the services run: the draft's `choose_token`, the shared
+`logits_to_probs`, and the wire encoding of rows. A smaller test below drives the real services
+over gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from draft_service.servicer import choose_token
+from model_host.logits import logits_to_probs
+from orchestrator.generation import DraftAvailability, Generation, GenerationRequest, ModelLimits
+from orchestrator.k_policy import FixedK
+from serving.sampling import SamplingParams
+from serving.tensors import encode_prob_rows
+from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2, target_pb2
+from tests.conftest import collect
+from tests.tiny_models import tiny_llama
+
+VOCAB = 8
+PROMPT = [1, 2, 3]
+NEW_TOKENS = 3
+SAMPLES = 20_000
+
+
+def _all_prefix_logits(model: torch.nn.Module, max_extra: int) -> dict[tuple[int, ...], torch.Tensor]:
+    """Next-token logits after PROMPT + every continuation of up to max_extra tokens. [vocab] each"""
+    table: dict[tuple[int, ...], torch.Tensor] = {}
+    with torch.no_grad():
+        for extra in range(max_extra + 1):
+            continuations = list(itertools.product(range(VOCAB), repeat=extra))
+            batch = torch.tensor([PROMPT + list(c) for c in continuations])
+            logits = model(batch).logits[:, -1]
+            for continuation, row in zip(continuations, logits, strict=True):
+                table[tuple(PROMPT) + continuation] = row
+    return table
+
+
+class TableTarget:
+    """A target session answering from exact logits, through the target's own row processing."""
+
+    def __init__(self, logits: dict[tuple[int, ...], torch.Tensor]) -> None:
+        self.logits = logits
+        self.seen: list[int] = []
+        self.fed = self.reopens = self.wire_bytes = 0
+
+    async def step(self, build: Callable[[int], Any]) -> target_pb2.VerifyResponse:
+        request = build(self.fed)
+        self.seen = self.seen[: request.keep] + list(request.append_token_ids)
+        first = len(self.seen) - request.num_rows + 1
+        rows = torch.stack([self.logits[tuple(self.seen[: first + i])] for i in range(request.num_rows)])
+        probs = logits_to_probs(rows, SamplingParams.from_proto(request.sampling))
+        return target_pb2.VerifyResponse(result=common_pb2.SESSION_RESULT_OK, target_probs=encode_prob_rows(probs))
+
+    def close(self) -> None:
+        pass
+
+
+class TableDraft(TableTarget):
+    """A draft session drafting with the draft service's own `choose_token` and seeding."""
+
+    async def step(self, build: Callable[[int], Any]) -> draft_pb2.DraftResponse:  # type: ignore[override]
+        request = build(self.fed)
+        sequence = self.seen[: request.keep] + list(request.append_token_ids)
+        params = SamplingParams.from_proto(request.sampling)
+        generator = torch.Generator().manual_seed(request.seed)
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for _ in range(request.num_speculative_tokens):
+            token, probs, _ = choose_token(self.logits[tuple(sequence)], params, generator, False)
+            assert probs is not None
+            tokens.append(token)
+            rows.append(probs)
+            sequence.append(token)
+        self.seen = sequence[:-1]
+        response = draft_pb2.DraftResponse(result=common_pb2.SESSION_RESULT_OK, draft_token_ids=tokens)
+        response.draft_probs.CopyFrom(encode_prob_rows(torch.stack(rows)))
+        return response
+
+
+@pytest.fixture(scope="module")
+def tables() -> tuple[dict, dict]:
+    target = tiny_llama(VOCAB, seed=5, hidden=16, layers=1, init_range=1.0)
+    draft = tiny_llama(VOCAB, seed=6, hidden=16, layers=1, init_range=1.0)
+    return _all_prefix_logits(target, NEW_TOKENS - 1), _all_prefix_logits(draft, NEW_TOKENS - 1)
+
+
+def exact_distribution(target_logits: dict, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """P(x1, x2, x3) = p(x1 | prompt) p(x2 | prompt x1) p(x3 | prompt x1 x2) under the processed rows."""
+
+    def probs(prefix: tuple[int, ...]) -> torch.Tensor:
+        return logits_to_probs(target_logits[tuple(PROMPT) + prefix][None], params)[0].double()
+
+    out = {}
+    for outcome in itertools.product(range(VOCAB), repeat=NEW_TOKENS):
+        p = 1.0
+        for i in range(NEW_TOKENS):
+            p *= float(probs(outcome[:i])[outcome[i]])
+        out[outcome] = p
+    return out
+
+
+def chi_square_pvalue(counts: Counter, expected: dict[tuple[int, ...], float], samples: int) -> float:
+    """Pearson's test; outcomes expected fewer than 5 times are pooled into one cell."""
+    observed, predicted, pooled_obs, pooled_exp = [], [], 0, 0.0
+    for outcome, p in expected.items():
+        if p * samples >= 5:
+            observed.append(counts[outcome])
+            predicted.append(p * samples)
+        else:
+            pooled_obs += counts[outcome]
+            pooled_exp += p * samples
+    if pooled_exp > 0:
+        observed.append(pooled_obs)
+        predicted.append(pooled_exp)
+    predicted_arr = np.array(predicted) * (sum(observed) / sum(predicted))
+    return float(stats.chisquare(np.array(observed), predicted_arr).pvalue)
+
+
+async def _sample_many(
+    tables: tuple[dict, dict], params: SamplingParams, k: int, samples: int
+) -> tuple[Counter, float]:
+    target_logits, draft_logits = tables
+    limits = ModelLimits(vocab_size=VOCAB, target_max_context=64, draft_max_context=64, eos_token_ids=frozenset())
+    counts: Counter = Counter()
+    drafted = accepted = 0
+    for seed in range(samples):
+        request = GenerationRequest(
+            request_id="t",
+            prompt_token_ids=PROMPT,
+            max_new_tokens=NEW_TOKENS,
+            sampling=params,
+            seed=seed,
+            num_speculative_tokens=k,
+            overlap_drafting=False,
+            min_confidence=0.0,
+        )
+        generation = Generation(
+            request,
+            limits,
+            TableTarget(target_logits),  # type: ignore[arg-type]
+            TableDraft(draft_logits),  # type: ignore[arg-type]
+            DraftAvailability(1.0),
+            FixedK(k, k),
+            draft_timeout_s=10.0,
+        )
+        output: list[int] = []
+        async for tokens in generation.rounds():
+            output += tokens
+        counts[tuple(output)] += 1
+        drafted += generation.stats.draft_tokens
+        accepted += generation.stats.accepted_tokens
+    return counts, accepted / drafted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("params", "k"),
+    [(SamplingParams(temperature=1.0), 2), (SamplingParams(temperature=0.7, top_p=0.9), 2)],
+    ids=["t1.0", "t0.7-top_p0.9"],
+)
+def test_first_three_tokens_follow_target_distribution(tables, params, k):
+    counts, acceptance = asyncio.run(_sample_many(tables, params, k, SAMPLES))
+    assert sum(counts.values()) == SAMPLES and all(len(o) == NEW_TOKENS for o in counts)
+    # the draft is a different model: it is accepted sometimes, rejected sometimes
+    assert 0.1 < acceptance < 0.95, acceptance
+    pvalue = chi_square_pvalue(counts, exact_distribution(tables[0], params), SAMPLES)
+    assert pvalue > 0.01, pvalue
+
+
+def test_the_check_detects_a_wrong_distribution(tables):
+    """Power check: the draft's own distribution is told apart from the target's by the same test."""
+    params = SamplingParams(temperature=1.0)
+    target_logits, draft_logits = tables
+    counts, _ = asyncio.run(_sample_many((draft_logits, draft_logits), params, 2, 5_000))
+    assert chi_square_pvalue(counts, exact_distribution(target_logits, params), 5_000) < 1e-6
+
+
+def test_same_seed_same_output_over_grpc(orchestrators):
+    stub = orchestrators["close"].stub
+    request = orchestrator_pb2.GenerateRequest(
+        text="w3 w4", max_new_tokens=30, temperature=0.9, top_p=0.95, seed=42, num_speculative_tokens=3
+    )
+    first, _, _ = collect(stub, request)
+    second, _, _ = collect(stub, request)
+    request.seed = 43
+    other, _, _ = collect(stub, request)
+    assert first == second
+    assert first != other
+
+
+def test_real_services_first_token_distribution(orchestrators, target_model):
+    """Through real gRPC services: the first generated token follows the target's distribution."""
+    samples = 600
+    prompt = [5, 6, 7]
+    counts: Counter[int] = Counter()
+    stub = orchestrators["random"].stub
+    for seed in range(samples):
+        request = orchestrator_pb2.GenerateRequest(
+            token_ids=orchestrator_pb2.TokenIds(ids=prompt),
+            max_new_tokens=2,
+            temperature=1.0,
+            seed=seed,
+            num_speculative_tokens=1,
+        )
+        ids, _, _ = collect(stub, request)
+        counts[ids[0]] += 1
+    with torch.no_grad():
+        logits = target_model.model(torch.tensor([prompt])).logits[0, -1]
+    probs = logits.softmax(-1).double().numpy()
+    expected: dict[tuple[int, ...], float] = {(t,): float(p) for t, p in enumerate(probs)}
+    pvalue = chi_square_pvalue(Counter({(t,): c for t, c in counts.items()}), expected, samples)
+    assert pvalue > 0.01, pvalue
