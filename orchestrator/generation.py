@@ -9,6 +9,7 @@ token until the next round appends it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -127,6 +128,19 @@ class Draft:
     token_ids: list[int]  # [k]
     probs: torch.Tensor | None  # [k, vocab]; None for greedy
     forward_seconds: float = 0.0  # the draft service's forward time for this block
+    fed: int = 0  # the draft session's valid length right after drafting this block
+
+    def first(self, k: int) -> Draft:
+        """The first k tokens (a ready block may be longer than this round allows)."""
+        if k >= len(self.token_ids):
+            return self
+        probs = self.probs[:k] if self.probs is not None else None
+        return Draft(self.token_ids[:k], probs, self.forward_seconds, self.fed)
+
+    def rest(self) -> Draft:
+        """All but the first token (which turned out to be the bonus token); costs nothing more."""
+        probs = self.probs[1:] if self.probs is not None else None
+        return Draft(self.token_ids[1:], probs, 0.0, self.fed)
 
 
 NO_DRAFT = Draft(token_ids=[], probs=None)
@@ -166,13 +180,33 @@ class Generation:
         """Yield each round's committed tokens until EOS, max_new_tokens or a full context."""
         started = time.perf_counter()
         produced = 0
+        ready: Draft | None = None  # a block drafted during the previous verification, still valid
         while self.finish_reason == orchestrator_pb2.FINISH_REASON_UNSPECIFIED:
             k = self._round_k(produced)
-            draft = await self._propose(k) if k else NO_DRAFT
-            verdict, target_seconds = await self._verify(draft)
+            if ready is not None and k:
+                draft = ready.first(k)
+            else:
+                draft = await self._propose(self.sequence, k) if k else NO_DRAFT
+            guess_k = self._guess_k(produced, draft)
+            if guess_k:
+                # Draft the next block as if this one were all accepted, while the target verifies.
+                # Its first token guesses the bonus token; the rest is the next block.
+                guess = asyncio.create_task(self._propose(self.sequence + draft.token_ids, guess_k))
+                try:
+                    verdict, target_seconds = await self._verify(draft)
+                except BaseException:
+                    guess.cancel()
+                    with contextlib.suppress(BaseException):
+                        await guess
+                    raise
+                speculative = await guess
+            else:
+                verdict, target_seconds = await self._verify(draft)
+                speculative = NO_DRAFT
             self.policy.observe(verdict, draft.forward_seconds, target_seconds)
             self.stats.record_round(verdict)
             tokens = self._commit(verdict)
+            ready = self._still_valid(speculative, verdict, tokens)
             produced += len(tokens)
             if produced == len(tokens):
                 self.stats.time_to_first_token_seconds = time.perf_counter() - started
@@ -180,6 +214,37 @@ class Generation:
             self.stats.total_seconds = time.perf_counter() - started
             self._check_finished(tokens, produced)
             yield tokens
+
+    def _guess_k(self, produced: int, draft: Draft) -> int:
+        """Tokens to draft ahead during verification: the bonus guess plus next round's K, or 0 when
+        overlap is off or no next round could use them."""
+        if not self.request.overlap_drafting or not draft.token_ids:
+            return 0
+        after = len(self.sequence) + len(draft.token_ids) + 1  # if all accepted, plus the bonus token
+        next_k = min(
+            self.policy.next_k(),
+            self.request.max_new_tokens - (produced + len(draft.token_ids) + 1) - 1,
+            self.limits.target_max_context - after - 1,
+        )
+        return next_k + 1 if next_k >= 1 else 0
+
+    def _still_valid(self, speculative: Draft, verdict: Verdict, tokens: list[int]) -> Draft | None:
+        """The rest of a speculative block when its first token guessed the bonus token, else None.
+
+        Its tokens were sampled from the draft given exactly the sequence now committed, so they are
+        as valid a proposal as a block drafted now; otherwise it is dropped (_commit already rolled
+        the draft back to the accepted prefix).
+        """
+        if (
+            len(speculative.token_ids) < 2
+            or not verdict.all_accepted
+            or len(tokens) != len(verdict.output_token_ids)  # cut at EOS
+            or speculative.token_ids[0] != tokens[-1]
+        ):
+            return None
+        assert self.draft is not None
+        self.draft.fed = speculative.fed
+        return speculative.rest()
 
     def _round_k(self, produced: int) -> int:
         """This round's K: the policy's choice, capped so no round overshoots a limit."""
@@ -196,12 +261,12 @@ class Generation:
             ),
         )
 
-    def _draft_request(self, keep: int, k: int) -> draft_pb2.DraftRequest:
-        n = len(self.sequence)
+    def _draft_request(self, context: list[int], keep: int, k: int) -> draft_pb2.DraftRequest:
+        n = len(context)
         return draft_pb2.DraftRequest(
             request_id=self.request.request_id,
             keep=keep,
-            append_token_ids=self.sequence[keep:],
+            append_token_ids=context[keep:],
             num_speculative_tokens=k,
             sampling=self.request.sampling.to_proto(),
             # Seeded by position, so a block drafted again after a lost session is the same block.
@@ -209,13 +274,17 @@ class Generation:
             min_confidence=self.request.min_confidence,
         )
 
-    async def _propose(self, k: int) -> Draft:
-        """The draft's block, or NO_DRAFT (the target alone, still exact) when the draft fails."""
+    async def _propose(self, context: list[int], k: int) -> Draft:
+        """The draft's block continuing `context` (the committed sequence, or it plus a block under
+        verification), or NO_DRAFT (the target alone, still exact) when the draft fails."""
         assert self.draft is not None
         draft = self.draft
+        k = min(k, self.limits.draft_max_context - len(context))
+        if k < 1:
+            return NO_DRAFT
         try:
             response = await asyncio.wait_for(
-                draft.step(lambda keep: self._draft_request(keep, k)), timeout=self.draft_timeout_s
+                draft.step(lambda keep: self._draft_request(context, keep, k)), timeout=self.draft_timeout_s
             )
             probs = None
             if not self.request.sampling.greedy:
@@ -227,12 +296,11 @@ class Generation:
             log.warning("draft_unavailable", error=str(exc) or type(exc).__name__)
             self.availability.failed()
             self.stats.draft_fallback_rounds += 1
-            draft.close()
-            draft.fed = 0
+            draft.reset()
             return NO_DRAFT
-        draft.fed = len(self.sequence) + len(token_ids) - 1
+        draft.fed = len(context) + len(token_ids) - 1
         self.stats.draft_seconds += response.timing.forward_seconds
-        return Draft(token_ids=token_ids, probs=probs, forward_seconds=response.timing.forward_seconds)
+        return Draft(token_ids=token_ids, probs=probs, forward_seconds=response.timing.forward_seconds, fed=draft.fed)
 
     async def _verify(self, draft: Draft) -> tuple[Verdict, float]:
         """The target's verdict on a block, and the target's forward seconds."""

@@ -148,9 +148,12 @@ class SessionStream(Generic[RequestT, ResponseT]):
     wire_bytes: int = 0
     replica: Replica | None = None
     _call: Any = field(default=None, repr=False)
+    _closed: bool = False
 
     async def step(self, build: Callable[[int], RequestT]) -> ResponseT:
         """Send build(keep) and return the response; on a lost session, reopen and resend with keep 0."""
+        if self._closed:
+            raise unavailable(f"the {self.pool.name} session of request {self.request_id} is closed")
         backoff = self.backoff_s
         last_error = ""
         for attempt in range(self.attempts + 1):  # one more for a cache miss on a healthy replica
@@ -208,7 +211,13 @@ class SessionStream(Generic[RequestT, ResponseT]):
         if failed:
             self.replica.failed_at = time.monotonic()
 
+    def reset(self) -> None:
+        """Drop the stream after a failure; the next step opens a new one with the full sequence."""
+        self._drop(failed=True)
+        self.fed = 0
+
     def close(self) -> None:
         """End the stream (safe inside a cancelled task); the service frees the session's cache at once."""
+        self._closed = True
         self._drop(failed=False)
         self.replica = None

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
 import structlog
+
+from serving.metrics import RPC_LATENCY
 
 log = structlog.get_logger(__name__)
 
@@ -57,23 +61,32 @@ class ErrorInterceptor(grpc.ServerInterceptor):
 
         def unary(behaviour: Callable[..., Any]) -> Callable[..., Any]:
             def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
+                started, code = time.perf_counter(), grpc.StatusCode.OK
                 try:
                     return behaviour(request, context)
                 except Exception as exc:  # noqa: BLE001 - this is the one place that catches all
-                    context.abort(*_status_of(exc, method))
+                    code, message = _status_of(exc, method)
+                    context.abort(code, message)
+                finally:
+                    RPC_LATENCY.labels(method, code.name).observe(time.perf_counter() - started)
 
             return wrapped
 
         def streaming(behaviour: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
             def wrapped(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                started, code = time.perf_counter(), grpc.StatusCode.OK
                 try:
                     yield from behaviour(request, context)
                 except grpc.RpcError:
+                    code = grpc.StatusCode.CANCELLED
                     if context.is_active():
                         raise
                     # The client cancelled or went away: reading its stream raised; nothing to report.
                 except Exception as exc:  # noqa: BLE001
-                    context.abort(*_status_of(exc, method))
+                    code, message = _status_of(exc, method)
+                    context.abort(code, message)
+                finally:
+                    RPC_LATENCY.labels(method, code.name).observe(time.perf_counter() - started)
 
             return wrapped
 
@@ -111,21 +124,32 @@ class AsyncErrorInterceptor(grpc.aio.ServerInterceptor):
             behaviour = handler.unary_unary
 
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                started, code = time.perf_counter(), grpc.StatusCode.OK
                 try:
                     return await behaviour(request, context)
                 except Exception as exc:  # noqa: BLE001
-                    await context.abort(*_status_of(exc, method))
+                    code, message = _status_of(exc, method)
+                    await context.abort(code, message)
+                finally:
+                    RPC_LATENCY.labels(method, code.name).observe(time.perf_counter() - started)
 
             return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
         if handler.unary_stream:
             stream_behaviour = handler.unary_stream
 
             async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                started, code = time.perf_counter(), grpc.StatusCode.OK
                 try:
                     async for item in stream_behaviour(request, context):
                         yield item
+                except asyncio.CancelledError:
+                    code = grpc.StatusCode.CANCELLED
+                    raise
                 except Exception as exc:  # noqa: BLE001
-                    await context.abort(*_status_of(exc, method))
+                    code, message = _status_of(exc, method)
+                    await context.abort(code, message)
+                finally:
+                    RPC_LATENCY.labels(method, code.name).observe(time.perf_counter() - started)
 
             return grpc.unary_stream_rpc_method_handler(
                 streaming, handler.request_deserializer, handler.response_serializer

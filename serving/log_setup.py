@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import structlog
@@ -10,6 +11,8 @@ import structlog
 
 def configure_logging(level: str = "info") -> None:
     """Configure structlog once per process, at start-up (never at import time)."""
+    # Tokenizers' own thread pool fights gRPC's threads and warns after a fork; the services don't need it.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     renderer: structlog.typing.Processor = (
         structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
     )

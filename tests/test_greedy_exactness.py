@@ -40,8 +40,8 @@ def _explain(model: LoadedModel, prompt: list[int], expected: list[int], got: li
 
 @pytest.mark.parametrize("draft", ["close", "random"])
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("policy", ["fixed"])
-def test_identical_to_target_generate(orchestrators, target_model, references, draft, k, policy):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_identical_to_target_generate(orchestrators, target_model, references, draft, k, overlap):
     stub = orchestrators[draft].stub
     first_position_trials = first_position_accepted = 0
     for prompt, expected in references.items():
@@ -50,6 +50,7 @@ def test_identical_to_target_generate(orchestrators, target_model, references, d
             max_new_tokens=MAX_NEW_TOKENS,
             num_speculative_tokens=k,
             speculation_policy=orchestrator_pb2.SPECULATION_POLICY_FIXED,
+            overlap_drafting=overlap,
         )
         got, _, last = collect(stub, request)
         assert got == expected, _explain(target_model, list(prompt), expected, got)
