@@ -129,14 +129,17 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         context.add_callback(lambda: self._close(session))
         self._publish_gauges()
         bound = structlog.contextvars.bind_contextvars(request_id=session.request_id, session=session.session_id)
+        steps = misses = 0
         try:
             for request in requests:
+                steps += 1
                 started = time.perf_counter()
                 self._check_common(request)
                 if request.request_id and session.request_id != request.request_id:
                     session.request_id = request.request_id
                 if not self.store.rollback(session, request.keep):
                     STEPS.labels(self.role, "cache_miss").inc()
+                    misses += 1
                     log.info("cache_miss", keep=request.keep, held=session.length)
                     yield self.cache_miss()
                     continue
@@ -155,6 +158,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
                 )
                 yield response
         finally:
+            log.info("session_closed", steps=steps, cache_misses=misses, cached_tokens=session.length)
             self._close(session)
             structlog.contextvars.reset_contextvars(**bound)
 

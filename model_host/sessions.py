@@ -52,6 +52,7 @@ class SessionStore:
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
         self._ids = itertools.count(1)
+        self.opened = 0  # sessions opened since start
 
     def open(self, request_id: str) -> Session:
         with self._lock:
@@ -63,6 +64,7 @@ class SessionStore:
                 )
             session = Session(session_id=f"s{next(self._ids)}", request_id=request_id, last_used=self._clock())
             self._sessions[session.session_id] = session
+            self.opened += 1
             return session
 
     def close(self, session: Session) -> None:

@@ -168,6 +168,10 @@ class SessionStream(Generic[RequestT, ResponseT]):
                     raise ServiceError(exc.code(), f"{self.pool.name} service: {exc.details()}") from exc
                 last_error = f"{exc.code().name}: {exc.details()}"
                 response = None
+            except asyncio.InvalidStateError:
+                # The stream ended between two steps (replica stopped, drained or restarted).
+                last_error = f"the stream ended with {(await self._call.code()).name}"
+                response = None
             if response is None or response is grpc.aio.EOF:
                 last_error = last_error or "the stream ended"
                 log.warning("session_lost", service=self.pool.name, replica=self._address, error=last_error)

@@ -1,0 +1,69 @@
+"""Several replicas per side: spreading, pinning, and losing a pinned replica mid-generation."""
+
+from __future__ import annotations
+
+from specdec.v1 import orchestrator_pb2
+from tests.conftest import collect, hf_greedy, wait_until
+from tests.servers import LOOPBACK, OrchestratorThread, orchestrator_config, start_target
+
+
+def _request(prompt: list[int], max_new_tokens: int, **fields) -> orchestrator_pb2.GenerateRequest:
+    return orchestrator_pb2.GenerateRequest(
+        token_ids=orchestrator_pb2.TokenIds(ids=prompt), max_new_tokens=max_new_tokens, **fields
+    )
+
+
+def test_requests_are_spread_and_pinned(target_model, close_draft_server):
+    first, second = start_target(target_model), start_target(target_model)
+    addresses = f"{LOOPBACK}:{first.port},{LOOPBACK}:{second.port}"
+    orchestrator = OrchestratorThread(orchestrator_config(addresses, close_draft_server))
+    try:
+        calls = [orchestrator.stub.Generate(_request([1, 2, 3], 150, num_speculative_tokens=2)) for _ in range(2)]
+        for call in calls:
+            next(call)
+        # Two requests in flight: the least-pinned rule puts one on each replica, and each stays there.
+        assert first.servicer.store.open_sessions == 1 and second.servicer.store.open_sessions == 1
+        for call in calls:
+            for _ in call:
+                pass
+        assert first.servicer.store.opened == 1 and second.servicer.store.opened == 1
+    finally:
+        orchestrator.stop()
+        first.stop()
+        second.stop()
+
+
+def test_killed_target_replica_mid_generation_output_unchanged(target_model, close_draft_server):
+    replicas = [start_target(target_model), start_target(target_model)]
+    addresses = ",".join(f"{LOOPBACK}:{r.port}" for r in replicas)
+    orchestrator = OrchestratorThread(orchestrator_config(addresses, close_draft_server))
+    try:
+        prompt = [8, 6, 7, 5, 3, 0, 9]
+        expected = hf_greedy(target_model, prompt, 150)
+        call = orchestrator.stub.Generate(_request(prompt, 150, num_speculative_tokens=3))
+        ids = list(next(call).token_ids)
+        pinned = next(r for r in replicas if r.servicer.store.open_sessions == 1)
+        survivor = next(r for r in replicas if r is not pinned)
+        pinned.stop()  # the replica dies; its cache with it
+        last = None
+        for message in call:
+            ids += message.token_ids
+            last = message
+        assert ids == expected
+        assert last is not None and last.stats.session_reopens >= 1
+        assert survivor.servicer.store.opened >= 1
+        assert wait_until(lambda: survivor.servicer.store.open_sessions == 0)
+    finally:
+        orchestrator.stop()
+        for replica in replicas:
+            replica.stop()
+
+
+def test_dns_name_resolves_to_replicas(target_model, target_server):
+    orchestrator = OrchestratorThread(orchestrator_config(f"dns:///localhost:{target_server.port}"))
+    try:
+        prompt = [4, 4, 2]
+        ids, _, _ = collect(orchestrator.stub, _request(prompt, 10))
+        assert ids == hf_greedy(target_model, prompt, 10)
+    finally:
+        orchestrator.stop()
