@@ -283,9 +283,8 @@ class Generation:
         if k < 1:
             return NO_DRAFT
         try:
-            response = await asyncio.wait_for(
-                draft.step(lambda keep: self._draft_request(context, keep, k)), timeout=self.draft_timeout_s
-            )
+            async with asyncio.timeout(self.draft_timeout_s):
+                response = await draft.step(lambda keep: self._draft_request(context, keep, k))
             probs = None
             if not self.request.sampling.greedy:
                 probs = decode_prob_rows(response.draft_probs, self.limits.vocab_size)

@@ -1,0 +1,231 @@
+"""Evaluate the default pair and write its model card.
+
+    python -m default_models.evaluate --pair default_models/pair
+
+Prints and records: held-out perplexity of both models; the cost of a target forward pass against a
+draft forward pass at the lengths the services run them; acceptance rate at K = 4 on held-out prompts
+(greedy and temperature 0.8, per position) measured through the real services; and how often greedy
+completions of held-out function headers read as Python (`tokenize` accepts them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+import platform
+import statistics
+import time
+import tokenize
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from transformers import DynamicCache
+
+from default_models.corpus import HELD_OUT_MODULES, load_corpus, read_text
+from default_models.prompts import held_out_prompts
+from model_host.loading import LoadedModel, load_model
+from orchestrator.client import generate
+from orchestrator.local_stack import LocalStack
+from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+WINDOW = 256
+
+
+def perplexity(model: LoadedModel, max_windows: int = 400) -> float:
+    """exp(mean next-token loss) over non-overlapping windows of the held-out modules."""
+    assert model.tokenizer is not None
+    texts = [read_text(p) for p in load_corpus().held_out_files]
+    ids: list[int] = []
+    for encoded in model.tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        ids += [*encoded, model.tokenizer.eos_token_id]
+    stream = torch.tensor(ids)
+    total, count = 0.0, 0
+    with torch.inference_mode():
+        for start in range(0, min(len(stream) - 1, max_windows * WINDOW), WINDOW):
+            window = stream[start : start + WINDOW + 1][None]
+            logits = model.model(window[:, :-1]).logits[0].float()
+            total += float(torch.nn.functional.cross_entropy(logits, window[0, 1:], reduction="sum"))
+            count += window.shape[1] - 1
+    return math.exp(total / count)
+
+
+def forward_seconds(model: LoadedModel, context: int, tokens: int, repeats: int = 60) -> float:
+    """Median time of one cached forward pass feeding `tokens` after `context`, as the services do."""
+    generator = torch.Generator().manual_seed(0)
+    prefix = torch.randint(1, model.vocab_size, (1, context), generator=generator)
+    block = torch.randint(1, model.vocab_size, (1, tokens), generator=generator)
+    times = []
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.model.config)
+        model.model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
+        for _ in range(repeats):
+            started = time.perf_counter()
+            model.model(input_ids=block, cache=cache, use_cache=True, logits_to_keep=tokens)
+            times.append(time.perf_counter() - started)
+            cache.crop(-tokens)
+    return statistics.median(times)
+
+
+def acceptance(address: str, prompts: list[str], temperature: float, max_new_tokens: int) -> dict[str, Any]:
+    with grpc.insecure_channel(address) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        drafted = accepted = rounds = 0
+        per_position = [0, 0, 0, 0]
+        completions = []
+        for seed, prompt in enumerate(prompts):
+            request = orchestrator_pb2.GenerateRequest(
+                text=prompt,
+                max_new_tokens=max_new_tokens,
+                num_speculative_tokens=4,
+                temperature=temperature,
+                seed=seed,
+                speculation_policy=orchestrator_pb2.SPECULATION_POLICY_FIXED,
+            )
+            result = generate(stub, request)
+            stats = result.stats
+            drafted += int(stats["draft_tokens"])
+            accepted += int(stats["accepted_tokens"])
+            rounds += int(stats["draft_rounds"])
+            for i, value in enumerate(stats["accepted_per_position"][:4]):
+                per_position[i] += int(value)
+            completions.append(result.text)
+    return {
+        "acceptance_rate": accepted / drafted,
+        "mean_acceptance_length": (accepted + rounds) / rounds,
+        "per_position": [p / rounds for p in per_position],
+        "completions": completions,
+    }
+
+
+def function_body(prompt: str, completion: str) -> str:
+    """The prompt plus the completion up to where the function ends (the first line back at column 0)."""
+    lines = (prompt + completion).splitlines(keepends=True)
+    header_lines = prompt.count("\n")
+    body = lines[: header_lines + 1]
+    for line in lines[header_lines + 1 :]:
+        if line.strip() and not line[0].isspace():
+            break
+        body.append(line)
+    return "".join(body)
+
+
+def reads_as_python(source: str) -> bool:
+    """`tokenize` accepts it: brackets balance, strings close, indentation is consistent."""
+    # A completion cut by max_new_tokens ends mid-line; judge the complete lines.
+    complete = source[: source.rfind("\n") + 1] if "\n" in source else source
+    try:
+        list(tokenize.generate_tokens(io.StringIO(complete).readline))
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return False
+    return True
+
+
+def model_card(pair: Path, r: dict[str, Any], training: dict[str, Any]) -> str:
+    """The model card: what the pair is, how it was trained, and the measured figures."""
+    cfg = training["config"]
+    greedy, sampled = r["greedy"], r["sampled"]
+    shapes = {side: f"{cfg[side]['num_hidden_layers']} x {cfg[side]['hidden_size']}" for side in ("target", "draft")}
+    per_greedy = ", ".join(f"{p:.2f}" for p in greedy["per_position"])
+    per_sampled = ", ".join(f"{p:.2f}" for p in sampled["per_position"])
+    t_ms, d_ms = 1e3 * r["target_forward_s"], 1e3 * r["draft_forward_s"]
+    samples = "\n\n".join(f"```python\n{s}\n```" for s in r["samples"])
+    lines = [
+        "# specdec default pair",
+        "",
+        "A target and a draft model trained by `make models` (`python -m default_models.train`) on the Python",
+        f"standard library's own source (CPython {r['python']}), so that `make run` and `make bench` work offline",
+        "and mean something. Both are Llama-architecture checkpoints that `AutoModelForCausalLM` and",
+        "`AutoTokenizer` load from this folder with `HF_HUB_OFFLINE=1`; they share one byte-level BPE tokenizer",
+        f"of {r['vocab_size']} tokens. Weights are stored in bfloat16 and load exactly into float32.",
+        "",
+        "| | target | draft |",
+        "| --- | --- | --- |",
+        f"| parameters | {r['target_parameters']:,} | {r['draft_parameters']:,} |",
+        f"| layers x width | {shapes['target']} | {shapes['draft']} |",
+        f"| held-out perplexity | {r['target_perplexity']:.2f} | {r['draft_perplexity']:.2f} |",
+        f"| forward pass, as the services run it | {t_ms:.2f} ms for K + 1 = 5 tokens | {d_ms:.2f} ms for 1 token |",
+        "",
+        f"Target forward / draft forward: **{r['forward_cost_ratio']:.1f}x** ({r['cpus']} CPU cores, default threads).",
+        "",
+        "## Training",
+        "",
+        "- Text: every `.py` file of the standard library except test suites and `lib2to3`; held out for",
+        f"  evaluation: {', '.join(HELD_OUT_MODULES)}. {training['training_tokens']:,} training tokens.",
+        f"- Target: next-token cross-entropy, {cfg['target_steps']} steps of {cfg['batch_size']} x {cfg['seq_len']}"
+        " tokens, AdamW,",
+        f"  cosine schedule, bf16 autocast on CPU, seed {cfg['seed']}; final loss {training['target_final_loss']:.3f}.",
+        "- Draft: distilled from the target: KL(target || draft) on every position plus 0.1 x next-token",
+        f"  loss, {cfg['draft_steps']} steps; final loss {training['draft_final_distill_loss']:.3f}.",
+        "",
+        f"## Acceptance at K = 4 on {r['prompts']} held-out function headers, through the services",
+        "",
+        "| | acceptance rate (accepted / drafted) | mean acceptance length | accepted at positions 1..4 |",
+        "| --- | --- | --- | --- |",
+        f"| greedy | **{greedy['acceptance_rate']:.3f}** | {greedy['mean_acceptance_length']:.2f} | {per_greedy} |",
+        f"| temperature 0.8 | **{sampled['acceptance_rate']:.3f}** | {sampled['mean_acceptance_length']:.2f}"
+        f" | {per_sampled} |",
+        "",
+        "## Does it write Python?",
+        "",
+        f"{r['reads_as_python']:.0%} of greedy completions of held-out function headers (cut where the function",
+        "ends) are accepted by Python's `tokenize`. Three of them, as generated:",
+        "",
+        samples,
+        "",
+        f"Measured by `make evaluate` (`python -m default_models.evaluate --pair {pair}`) on {r['date']}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="default_models.evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--pair", type=Path, default=Path("default_models/pair"))
+    parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    args = parser.parse_args(argv)
+    target = load_model(str(args.pair / "target"))
+    draft = load_model(str(args.pair / "draft"))
+    training = json.loads((args.pair / "training.json").read_text())
+    results: dict[str, Any] = {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "vocab_size": target.vocab_size,
+        "target_parameters": target.model.num_parameters(),
+        "draft_parameters": draft.model.num_parameters(),
+        "prompts": args.prompts,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    results["target_perplexity"] = perplexity(target)
+    results["draft_perplexity"] = perplexity(draft)
+    results["target_forward_s"] = forward_seconds(target, context=128, tokens=5)
+    results["draft_forward_s"] = forward_seconds(draft, context=128, tokens=1)
+    results["forward_cost_ratio"] = results["target_forward_s"] / results["draft_forward_s"]
+    print(json.dumps({k: v for k, v in results.items()}, indent=1))
+
+    prompts = held_out_prompts(args.prompts)
+    with LocalStack(str(args.pair / "target"), str(args.pair / "draft")) as stack:
+        results["greedy"] = acceptance(stack.orchestrator_address, prompts, 0.0, args.max_new_tokens)
+        results["sampled"] = acceptance(stack.orchestrator_address, prompts, 0.8, args.max_new_tokens)
+    bodies = [function_body(p, c) for p, c in zip(prompts, results["greedy"]["completions"], strict=True)]
+    results["reads_as_python"] = sum(map(reads_as_python, bodies)) / len(bodies)
+    results["samples"] = bodies[:3]
+    for mode in ("greedy", "sampled"):
+        print(mode, {k: v for k, v in results[mode].items() if k != "completions"})
+    print(f"reads as Python: {results['reads_as_python']:.0%}")
+    (args.pair / "evaluation.json").write_text(json.dumps(results, indent=1) + "\n")
+    (args.pair / "README.md").write_text(model_card(args.pair, results, training))
+    print(f"wrote {args.pair / 'README.md'} and {args.pair / 'evaluation.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

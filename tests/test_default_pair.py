@@ -1,0 +1,60 @@
+"""The committed default pair: loads offline, shares one vocabulary, fits its budget, generates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from serving.vocab import tokenizer_fingerprint
+from specdec.v1 import orchestrator_pb2
+from tests.conftest import collect, hf_greedy
+from tests.servers import OrchestratorThread, load, orchestrator_config, start_draft, start_target
+
+PAIR = Path(__file__).resolve().parents[1] / "default_models" / "pair"
+MAX_BYTES = 40 * 1024 * 1024
+
+
+def test_pair_is_committed_with_card_and_files():
+    for side in ("target", "draft"):
+        names = {p.name for p in (PAIR / side).iterdir()}
+        assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names, names
+    assert (PAIR / "README.md").is_file() and (PAIR / "training.json").is_file()
+
+
+def test_total_size_within_budget():
+    total = sum(p.stat().st_size for p in PAIR.rglob("*") if p.is_file())
+    assert total <= MAX_BYTES, f"{total / 2**20:.1f} MiB"
+
+
+def test_loads_offline_and_shares_the_vocabulary(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    target = AutoModelForCausalLM.from_pretrained(PAIR / "target")
+    draft = AutoModelForCausalLM.from_pretrained(PAIR / "draft")
+    target_tokenizer = AutoTokenizer.from_pretrained(PAIR / "target")
+    draft_tokenizer = AutoTokenizer.from_pretrained(PAIR / "draft")
+    assert tokenizer_fingerprint(target_tokenizer) == tokenizer_fingerprint(draft_tokenizer)
+    assert target.config.vocab_size == draft.config.vocab_size == len(target_tokenizer)
+    # Sized for the product: the draft is a small fraction of the target.
+    assert 4_000_000 <= target.num_parameters() <= 20_000_000
+    assert draft.num_parameters() * 5 <= target.num_parameters()
+    text = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)\n"
+    assert target_tokenizer.decode(target_tokenizer(text)["input_ids"]) == text  # byte-level: round-trips
+
+
+def test_short_generation_through_the_services():
+    target_model, draft_model = load(PAIR / "target"), load(PAIR / "draft")
+    target, draft = start_target(target_model), start_draft(draft_model)
+    orchestrator = OrchestratorThread(orchestrator_config(target, draft))
+    try:
+        prompt = "def is_even(n):\n    "
+        request = orchestrator_pb2.GenerateRequest(text=prompt, max_new_tokens=24, num_speculative_tokens=4)
+        ids, text, last = collect(orchestrator.stub, request)
+        assert text and last.stats.draft_tokens > 0 and last.stats.accepted_tokens > 0
+        assert target_model.tokenizer is not None
+        prompt_ids = target_model.tokenizer(prompt)["input_ids"]
+        assert ids == hf_greedy(target_model, prompt_ids, 24)
+    finally:
+        orchestrator.stop()
+        target.stop()
+        draft.stop()
