@@ -39,16 +39,12 @@ class DraftServicer(
     SessionServicer[draft_pb2.DraftRequest, draft_pb2.DraftResponse], draft_pb2_grpc.DraftServiceServicer
 ):
     role = "draft"
+    response_type = draft_pb2.DraftResponse
 
     def Draft(
         self, request_iterator: Iterator[draft_pb2.DraftRequest], context: grpc.ServicerContext
     ) -> Iterator[draft_pb2.DraftResponse]:
         return self.serve_session(request_iterator, context)
-
-    def GetModelInfo(
-        self, request: common_pb2.GetModelInfoRequest, context: grpc.ServicerContext
-    ) -> common_pb2.ModelInfo:
-        return self.model_info()
 
     def tokens_fed_by(self, request: draft_pb2.DraftRequest) -> int:
         # Every draft token but the last is fed back through the model.
@@ -88,12 +84,6 @@ class DraftServicer(
         length = request.keep + len(request.append_token_ids) + len(draft_token_ids) - 1
         response.cached_tokens = length
         return response, length
-
-    def cache_miss(self) -> draft_pb2.DraftResponse:
-        return draft_pb2.DraftResponse(result=common_pb2.SESSION_RESULT_CACHE_MISS)
-
-    def set_timing(self, response: draft_pb2.DraftResponse, timing: common_pb2.Timing) -> None:
-        response.timing.CopyFrom(timing)
 
 
 def register(servicer: DraftServicer, server: grpc.Server) -> None:

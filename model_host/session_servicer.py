@@ -55,6 +55,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
     """Runs session streams over one model; forward passes are serialised by a lock."""
 
     role: str = "model"
+    response_type: type[ResponseT]  # the service's response message (has `result` and `timing`)
 
     def __init__(self, loaded: LoadedModel, config: ModelServiceConfig) -> None:
         self.loaded = loaded
@@ -74,12 +75,9 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
     def step(self, session: Session, request: RequestT) -> tuple[ResponseT, int]:
         """Run the model on a rolled-back session; returns the response and the new cached length."""
 
-    @abc.abstractmethod
     def cache_miss(self) -> ResponseT:
         """The response that says: resend with keep = 0 and the full sequence."""
-
-    @abc.abstractmethod
-    def set_timing(self, response: ResponseT, timing: common_pb2.Timing) -> None: ...
+        return self.response_type(result=common_pb2.SESSION_RESULT_CACHE_MISS)  # type: ignore[call-arg]
 
     def tokens_fed_by(self, request: RequestT) -> int:
         """Upper bound on the cache length after the step, for the token budget."""
@@ -93,6 +91,11 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         output = self.loaded.model(input_ids=input_ids, cache=session.cache, use_cache=True, logits_to_keep=rows)
         FED_TOKENS.labels(self.role).inc(len(token_ids))
         return output.logits[0, -rows:]
+
+    def GetModelInfo(
+        self, request: common_pb2.GetModelInfoRequest, context: grpc.ServicerContext
+    ) -> common_pb2.ModelInfo:
+        return self.model_info()
 
     def model_info(self) -> common_pb2.ModelInfo:
         loaded = self.loaded
@@ -152,10 +155,8 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
                 self._publish_gauges()
                 FORWARD_SECONDS.labels(self.role).observe(forward_seconds)
                 STEPS.labels(self.role, "ok").inc()
-                self.set_timing(
-                    response,
-                    common_pb2.Timing(forward_seconds=forward_seconds, service_seconds=time.perf_counter() - started),
-                )
+                response.timing.forward_seconds = forward_seconds  # type: ignore[attr-defined]
+                response.timing.service_seconds = time.perf_counter() - started  # type: ignore[attr-defined]
                 yield response
         finally:
             log.info("session_closed", steps=steps, cache_misses=misses, cached_tokens=session.length)

@@ -21,16 +21,12 @@ class TargetServicer(
     SessionServicer[target_pb2.VerifyRequest, target_pb2.VerifyResponse], target_pb2_grpc.TargetServiceServicer
 ):
     role = "target"
+    response_type = target_pb2.VerifyResponse
 
     def Verify(
         self, request_iterator: Iterator[target_pb2.VerifyRequest], context: grpc.ServicerContext
     ) -> Iterator[target_pb2.VerifyResponse]:
         return self.serve_session(request_iterator, context)
-
-    def GetModelInfo(
-        self, request: common_pb2.GetModelInfoRequest, context: grpc.ServicerContext
-    ) -> common_pb2.ModelInfo:
-        return self.model_info()
 
     def check_step(self, request: target_pb2.VerifyRequest) -> None:
         appended = len(request.append_token_ids)
@@ -51,12 +47,6 @@ class TargetServicer(
         length = request.keep + len(request.append_token_ids)
         response.cached_tokens = length
         return response, length
-
-    def cache_miss(self) -> target_pb2.VerifyResponse:
-        return target_pb2.VerifyResponse(result=common_pb2.SESSION_RESULT_CACHE_MISS)
-
-    def set_timing(self, response: target_pb2.VerifyResponse, timing: common_pb2.Timing) -> None:
-        response.timing.CopyFrom(timing)
 
 
 def register(servicer: TargetServicer, server: grpc.Server) -> None:
