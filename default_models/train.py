@@ -52,11 +52,13 @@ class TrainConfig:
     vocab_size: int = 4096
     max_position_embeddings: int = 1024
     target: ModelShape = field(default_factory=lambda: ModelShape(320, 864, 6, 5))
-    draft: ModelShape = field(default_factory=lambda: ModelShape(128, 352, 1, 2))
+    # The draft has the target's width so that it can start from the target's embeddings, first layers
+    # and head; two layers, because copying from context (induction) needs two.
+    draft: ModelShape = field(default_factory=lambda: ModelShape(320, 864, 2, 5))
     seq_len: int = 256
     batch_size: int = 16
     target_steps: int = 1500
-    draft_steps: int = 900
+    draft_steps: int = 1200
     learning_rate: float = 2e-3
     draft_learning_rate: float = 3e-3
     warmup_steps: int = 60
@@ -120,6 +122,15 @@ def build_model(shape: ModelShape, cfg: TrainConfig, tokenizer: PreTrainedTokeni
         pad_token_id=tokenizer.pad_token_id,
     )
     return LlamaForCausalLM(config)
+
+
+def init_draft_from_target(draft: LlamaForCausalLM, target: LlamaForCausalLM) -> None:
+    """Start the draft as a truncated target: its embeddings, its first layers, its final norm and
+    head (tied to the embeddings). Distillation then teaches the short stack to finish the job."""
+    draft.model.embed_tokens.load_state_dict(target.model.embed_tokens.state_dict())
+    draft.model.norm.load_state_dict(target.model.norm.state_dict())
+    for draft_layer, target_layer in zip(draft.model.layers, target.model.layers, strict=False):
+        draft_layer.load_state_dict(target_layer.state_dict())
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
@@ -201,6 +212,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target-steps", type=int, default=TrainConfig.target_steps)
     parser.add_argument("--draft-steps", type=int, default=TrainConfig.draft_steps)
     parser.add_argument("--threads", type=int, default=TrainConfig.threads)
+    parser.add_argument(
+        "--draft-only", action="store_true", help="keep OUT/target and its tokenizer; retrain the draft"
+    )
     args = parser.parse_args(argv)
     cfg = TrainConfig(target_steps=args.target_steps, draft_steps=args.draft_steps, threads=args.threads)
 
@@ -210,18 +224,28 @@ def main(argv: list[str] | None = None) -> None:
     texts = [read_text(p) for p in corpus.train_files]
     print(f"corpus: {len(corpus.train_files)} training files, {len(corpus.held_out_files)} held out")
 
-    tokenizer = train_tokenizer(texts, cfg.vocab_size)
-    stream = encode_corpus(tokenizer, texts)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    if args.draft_only:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(args.out / "target")
+        stream = encode_corpus(tokenizer, texts)
+        target = LlamaForCausalLM.from_pretrained(args.out / "target", dtype=torch.float32).eval()
+        previous = json.loads((args.out / "training.json").read_text())
+        target_losses = [previous["target_final_loss"]] * 50
+        cfg = TrainConfig(
+            target_steps=previous["config"]["target_steps"], draft_steps=args.draft_steps, threads=args.threads
+        )
+    else:
+        tokenizer = train_tokenizer(texts, cfg.vocab_size)
+        stream = encode_corpus(tokenizer, texts)
+        target = build_model(cfg.target, cfg, tokenizer)
+        target_losses = _optimise(
+            target, cfg.target_steps, cfg.learning_rate, cfg, batches(stream, cfg, generator), next_token_loss, "target"
+        )
+        save(target, tokenizer, args.out / "target")
     print(f"tokenizer: {len(tokenizer)} tokens; training stream: {stream.numel():,} tokens")
 
-    generator = torch.Generator().manual_seed(cfg.seed)
-    target = build_model(cfg.target, cfg, tokenizer)
-    target_losses = _optimise(
-        target, cfg.target_steps, cfg.learning_rate, cfg, batches(stream, cfg, generator), next_token_loss, "target"
-    )
-    save(target, tokenizer, args.out / "target")
-
     draft = build_model(cfg.draft, cfg, tokenizer)
+    init_draft_from_target(draft, target)
     draft_losses = _optimise(
         draft,
         cfg.draft_steps,

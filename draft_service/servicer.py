@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
+import structlog
 import torch
 
+from draft_service.lean import LeanCache, LeanDraft
+from model_host.config import ModelServiceConfig
+from model_host.loading import LoadedModel
 from model_host.logits import logits_to_probs
 from model_host.session_servicer import SessionServicer
-from model_host.sessions import Session
+from model_host.sessions import KVCache, Session
 from serving.errors import invalid_argument
 from serving.sampling import SamplingParams
 from serving.tensors import encode_prob_rows
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = "specdec.v1.DraftService"
+log = structlog.get_logger(__name__)
 
 
 def choose_token(
@@ -40,6 +45,20 @@ class DraftServicer(
 ):
     role = "draft"
     response_type = draft_pb2.DraftResponse
+
+    def __init__(self, loaded: LoadedModel, config: ModelServiceConfig) -> None:
+        self.lean = LeanDraft.attach(loaded.model) if config.lean_draft else None
+        log.info("draft_forward", lean=self.lean is not None)
+        super().__init__(loaded, config)
+
+    def new_cache(self) -> KVCache:
+        return self.lean.new_cache() if self.lean else super().new_cache()
+
+    def forward(self, session: Session, token_ids: Sequence[int], rows: int) -> torch.Tensor:
+        if self.lean is None or rows != 1:
+            return super().forward(session, token_ids, rows)
+        assert isinstance(session.cache, LeanCache)
+        return self.lean.forward(list(token_ids), session.cache)[None]
 
     def Draft(
         self, request_iterator: Iterator[draft_pb2.DraftRequest], context: grpc.ServicerContext

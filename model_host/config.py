@@ -22,6 +22,7 @@ class ModelServiceConfig:
     max_cached_tokens: int = 262_144
     session_idle_timeout_s: float = 300.0
     max_speculative_tokens: int = 16
+    lean_draft: bool = True
     metrics_port: int = 0
     threads: int = 0
     grace_period_s: float = 30.0
@@ -38,6 +39,7 @@ _HELP: dict[str, str] = {
     "max_cached_tokens": "most tokens cached over all sessions (RESOURCE_EXHAUSTED beyond)",
     "session_idle_timeout_s": "an idle session's cache is freed after this many seconds",
     "max_speculative_tokens": "largest K a draft request may ask for",
+    "lean_draft": "draft service: run Llama-family drafts with the lean forward pass (checked at start-up)",
     "metrics_port": "Prometheus metrics port (0 disables)",
     "threads": "torch CPU threads (0 keeps torch's default)",
     "grace_period_s": "seconds open sessions get to finish after SIGTERM",

@@ -16,11 +16,12 @@ from typing import Generic, Protocol, TypeVar
 import grpc
 import structlog
 import torch
+from transformers import DynamicCache
 
 from model_host.config import ModelServiceConfig
 from model_host.loading import LoadedModel
 from model_host.metrics import CACHED_TOKENS, FED_TOKENS, FORWARD_SECONDS, OPEN_SESSIONS, STEPS
-from model_host.sessions import Session, SessionStore
+from model_host.sessions import KVCache, Session, SessionStore
 from serving.errors import invalid_argument
 from specdec.v1 import common_pb2
 
@@ -61,7 +62,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         self.loaded = loaded
         self.config = config
         self.store = SessionStore(
-            loaded.model.config, config.max_sessions, config.max_cached_tokens, config.session_idle_timeout_s
+            self.new_cache, config.max_sessions, config.max_cached_tokens, config.session_idle_timeout_s
         )
         self._model_lock = threading.Lock()
 
@@ -85,11 +86,19 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
 
     # --- shared machinery --------------------------------------------------------------------
 
+    def new_cache(self) -> KVCache:
+        """An empty KV cache for a new or reopened session."""
+        return DynamicCache(config=self.loaded.model.config)  # type: ignore[no-any-return]
+
     def feed(self, session: Session, token_ids: Sequence[int], rows: int) -> torch.Tensor:
         """Feed tokens through the model on the session's cache; logits of the last `rows`. [rows, vocab]"""
+        FED_TOKENS.labels(self.role).inc(len(token_ids))
+        return self.forward(session, token_ids, rows)
+
+    def forward(self, session: Session, token_ids: Sequence[int], rows: int) -> torch.Tensor:
+        """The model's own forward pass. [rows, vocab]"""
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.loaded.input_device)
         output = self.loaded.model(input_ids=input_ids, cache=session.cache, use_cache=True, logits_to_keep=rows)
-        FED_TOKENS.labels(self.role).inc(len(token_ids))
         return output.logits[0, -rows:]
 
     def GetModelInfo(

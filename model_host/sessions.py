@@ -12,10 +12,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-from transformers import DynamicCache, PretrainedConfig
+from typing import Protocol
 
 from serving.errors import resource_exhausted
+
+
+class KVCache(Protocol):
+    """What the store needs of a cache: Hugging Face's DynamicCache, or the draft's lean cache."""
+
+    def crop(self, tokens_to_remove: int) -> None: ...  # a negative count of tokens to drop
 
 
 @dataclass
@@ -24,7 +29,7 @@ class Session:
 
     session_id: str
     request_id: str
-    cache: DynamicCache | None = None  # None until the first step, and after expiry or eviction
+    cache: KVCache | None = None  # None until the first step, and after expiry or eviction
     length: int = 0  # tokens held in `cache`
     last_used: float = field(default=0.0)
 
@@ -38,13 +43,13 @@ class SessionStore:
 
     def __init__(
         self,
-        model_config: PretrainedConfig,
+        new_cache: Callable[[], KVCache],
         max_sessions: int,
         max_cached_tokens: int,
         idle_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._model_config = model_config
+        self._new_cache = new_cache
         self.max_sessions = max_sessions
         self.max_cached_tokens = max_cached_tokens
         self.idle_timeout_s = idle_timeout_s
@@ -79,7 +84,7 @@ class SessionStore:
         with self._lock:
             session.last_used = self._clock()
             if keep == 0:
-                session.cache = DynamicCache(config=self._model_config)
+                session.cache = self._new_cache()
                 session.length = 0
                 return True
             if session.cache is None or keep > session.length:
