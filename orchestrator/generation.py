@@ -78,6 +78,7 @@ class Stats:
     output_tokens: int = 0
     rounds: int = 0
     rounds_with_draft: int = 0
+    overlapped_rounds: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
@@ -118,6 +119,7 @@ class Stats:
             draft_fallback_rounds=self.draft_fallback_rounds,
             wire_bytes=wire_bytes,
             draft_rounds=self.rounds_with_draft,
+            overlapped_rounds=self.overlapped_rounds,
         )
 
 
@@ -185,6 +187,7 @@ class Generation:
             k = self._round_k(produced)
             if ready is not None and k:
                 draft = ready.first(k)
+                self.stats.overlapped_rounds += 1
             else:
                 draft = await self._propose(self.sequence, k) if k else NO_DRAFT
             guess_k = self._guess_k(produced, draft)

@@ -43,7 +43,7 @@ def _explain(model: LoadedModel, prompt: list[int], expected: list[int], got: li
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_identical_to_target_generate(orchestrators, target_model, references, draft, k, overlap):
     stub = orchestrators[draft].stub
-    first_position_trials = first_position_accepted = 0
+    first_position_trials = first_position_accepted = overlapped = 0
     for prompt, expected in references.items():
         request = orchestrator_pb2.GenerateRequest(
             token_ids=orchestrator_pb2.TokenIds(ids=list(prompt)),
@@ -55,11 +55,14 @@ def test_identical_to_target_generate(orchestrators, target_model, references, d
         got, _, last = collect(stub, request)
         assert got == expected, _explain(target_model, list(prompt), expected, got)
         first_position_trials += last.stats.draft_rounds
+        overlapped += last.stats.overlapped_rounds
         first_position_accepted += last.stats.accepted_per_position[0] if last.stats.accepted_per_position else 0
     # The two drafts really differ: one agrees with the target often, the other almost never
     # (acceptance at the first draft position, which does not depend on K).
     rate = first_position_accepted / first_position_trials
     assert rate > 0.6 if draft == "close" else rate < 0.2, rate
+    if overlap and draft == "close":
+        assert overlapped > 0  # blocks drafted during verification were used
 
 
 @pytest.mark.parametrize(

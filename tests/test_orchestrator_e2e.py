@@ -237,4 +237,8 @@ def test_command_line_services_and_client(tiny_pair, tmp_path):
     assert all(p.returncode == 0 for p in processes), [p.returncode for p in processes]
     log_line = next(line for line in (tmp_path / "orchestrator.log").read_text().splitlines() if "request_done" in line)
     record = json.loads(log_line)
-    assert record["request_id"] and record["rounds"] >= 1
+    assert record["request_id"] == result["request_id"] and record["rounds"] >= 1
+    # The request id travelled to both services in gRPC metadata.
+    for service in ("target", "draft"):
+        lines = [json.loads(x) for x in (tmp_path / f"{service}.log").read_text().splitlines() if "session_closed" in x]
+        assert any(line["request_id"] == record["request_id"] for line in lines), service

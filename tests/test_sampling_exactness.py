@@ -106,8 +106,8 @@ class TableDraft(TableTarget):
 def tables() -> tuple[dict, dict]:
     target = tiny_llama(VOCAB, seed=5, hidden=16, layers=1, init_range=1.0)
     draft = tiny_llama(VOCAB, seed=6, hidden=16, layers=1, init_range=1.0)
-    # Overlapped runs generate 2 * NEW_TOKENS tokens and draft one block ahead.
-    return LogitsTable(target, 2 * NEW_TOKENS - 1), LogitsTable(draft, 2 * NEW_TOKENS - 1)
+    # Overlapped runs generate NEW_TOKENS + 2 tokens and draft one block ahead.
+    return LogitsTable(target, NEW_TOKENS + 2), LogitsTable(draft, NEW_TOKENS + 2)
 
 
 def exact_distribution(target_logits: dict, params: SamplingParams) -> dict[tuple[int, ...], float]:
@@ -152,12 +152,12 @@ async def _sample_many(
     target_logits, draft_logits = tables
     limits = ModelLimits(vocab_size=VOCAB, target_max_context=64, draft_max_context=64, eos_token_ids=frozenset())
     counts: Counter = Counter()
-    drafted = accepted = 0
+    drafted = accepted = overlapped = 0
     for seed in range(samples):
         request = GenerationRequest(
             request_id="t",
             prompt_token_ids=PROMPT,
-            max_new_tokens=2 * NEW_TOKENS if overlap else NEW_TOKENS,
+            max_new_tokens=NEW_TOKENS + 2 if overlap else NEW_TOKENS,
             sampling=params,
             seed=seed,
             num_speculative_tokens=k,
@@ -179,6 +179,9 @@ async def _sample_many(
         counts[tuple(output[:NEW_TOKENS])] += 1
         drafted += generation.stats.draft_tokens
         accepted += generation.stats.accepted_tokens
+        overlapped += generation.stats.overlapped_rounds
+    # With overlap, blocks drafted during verification really were used (and checked by the test).
+    assert (overlapped > samples // 20) == overlap, overlapped
     return counts, accepted / drafted
 
 
