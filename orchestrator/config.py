@@ -22,7 +22,7 @@ class OrchestratorConfig:
     tokenizer: str = ""
     max_new_tokens_cap: int = 4096
     max_speculative_tokens: int = 16
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 2
     speculation_policy: str = "fixed"
     overlap_drafting: bool = False
     min_confidence: float = 0.0
