@@ -7,6 +7,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench.runs import Config, Sample
 from orchestrator.k_policy import expected_tokens
@@ -147,6 +148,17 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _save(fig: Any, ax: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot(rows: list[Row], out: Path) -> list[Path]:
     import matplotlib
 
@@ -191,12 +203,7 @@ def plot(rows: list[Row], out: Path) -> list[Path]:
                 label=f"HF assisted K=4 ({mode})",
             )
     ax.set(xlabel="K (draft tokens per round)", ylabel="tokens / s", title="Throughput against K")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    written.append(out / "tokens_per_second_vs_k.png")
-    fig.tight_layout()
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(_save(fig, ax, out / "tokens_per_second_vs_k.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode in modes:
@@ -205,12 +212,7 @@ def plot(rows: list[Row], out: Path) -> list[Path]:
             positions = range(1, len(widest.per_position_acceptance) + 1)
             ax.plot(positions, widest.per_position_acceptance, marker="o", label=f"{widest.config} ({mode})")
     ax.set(xlabel="draft position", ylabel="share of rounds accepted", ylim=(0, 1), title="Acceptance by position")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    written.append(out / "per_position_acceptance.png")
-    fig.tight_layout()
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(_save(fig, ax, out / "per_position_acceptance.png"))
 
     split = [r for r in rows if r.mode == modes[0] and r.draft_ms_per_round is not None]
     fig, ax = plt.subplots(figsize=(9, 4.5))
@@ -223,11 +225,7 @@ def plot(rows: list[Row], out: Path) -> list[Path]:
     ax.bar(names, other, bottom=[d + t for d, t in zip(draft, target, strict=True)], label="everything else")
     ax.set(ylabel="ms per round", title=f"Time per round ({modes[0]})")
     ax.tick_params(axis="x", rotation=45)
-    ax.legend(fontsize=8)
-    written.append(out / "time_split_per_round.png")
-    fig.tight_layout()
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(_save(fig, ax, out / "time_split_per_round.png"))
     return written
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import queue
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -114,6 +117,13 @@ def hf_greedy(model: LoadedModel, prompt: list[int], max_new_tokens: int) -> lis
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         )
     return output[0, len(prompt) :].tolist()
+
+
+def client_json(server: str, *args: str, timeout: float = 120) -> dict[str, Any]:
+    """Run `python -m orchestrator.client --json` against a server; its one JSON object."""
+    command = [sys.executable, "-m", "orchestrator.client", "--server", server, "--json", *args]
+    output = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=True).stdout
+    return dict(json.loads(output))
 
 
 class RawSession:

@@ -4,7 +4,6 @@ each service has its own address and reaches the others only over a network link
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.local_stack import wait_serving
+from tests.conftest import client_json
 
 PORT = 50051
 # (namespace suffix, link name, orchestrator-side address, peer address); addresses stay inside the
@@ -130,27 +130,9 @@ def test_generation_across_three_hosts(hosts, tiny_pair, tmp_path: Path):
                 )
             )
         wait_serving(orchestrator_address, 120, processes[-1])
-        output = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "orchestrator.client",
-                "--server",
-                orchestrator_address,
-                "--prompt",
-                "w2 w3",
-                "--max-new-tokens",
-                "10",
-                "--num-speculative-tokens",
-                "3",
-                "--json",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        ).stdout
-        result = json.loads(output)
+        result = client_json(
+            orchestrator_address, "--prompt", "w2 w3", "--max-new-tokens", "10", "--num-speculative-tokens", "3"
+        )
         assert len(result["token_ids"]) >= 1 and result["stats"]["draft_tokens"] > 0
         # The target is not reachable from the test's own host: only the orchestrator links to it.
         unreachable = subprocess.run(

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import threading
 
 import grpc
@@ -15,7 +13,7 @@ from orchestrator.app import start_orchestrator
 from orchestrator.local_stack import LocalStack
 from orchestrator.servicer import PairMismatch
 from specdec.v1 import orchestrator_pb2
-from tests.conftest import collect, hf_greedy, wait_until
+from tests.conftest import client_json, collect, hf_greedy, wait_until
 from tests.servers import OrchestratorThread, load, orchestrator_config, start_draft, start_target
 from tests.tiny_models import save, tiny_llama, word_tokenizer
 
@@ -211,25 +209,7 @@ def test_command_line_services_and_client(tiny_pair, tmp_path):
         log_dir=tmp_path,
         extra_orchestrator_args=["--num-speculative-tokens", "3"],
     ) as stack:
-        output = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "orchestrator.client",
-                "--server",
-                stack.orchestrator_address,
-                "--prompt",
-                "w5 w6",
-                "--max-new-tokens",
-                "12",
-                "--json",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        ).stdout
-        result = json.loads(output)
+        result = client_json(stack.orchestrator_address, "--prompt", "w5 w6", "--max-new-tokens", "12")
         assert {"text", "token_ids", "finish_reason", "stats"} <= set(result)
         assert {"rounds", "draft_tokens", "accepted_tokens"} <= set(result["stats"])
         assert result["stats"]["draft_tokens"] > 0
