@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from bench.runs import Config, Sample
-from orchestrator.k_policy import expected_tokens
 
 BASELINE = "target alone"
 
@@ -118,11 +117,6 @@ def summarise(samples: list[Sample], configs: list[Config]) -> list[Row]:
                     row.vs_bound = row.speedup / row.bound_speedup
             rows.append(row)
     return rows
-
-
-def iid_bound(acceptance: float, k: int, cost_ratio: float, verify_cost: float) -> float:
-    """The bound with E from an i.i.d. per-token acceptance rate (DESIGN.md's formula)."""
-    return expected_tokens(acceptance, k) / (k * cost_ratio + verify_cost)
 
 
 def _fmt(value: float | None, spec: str) -> str:

@@ -82,8 +82,3 @@ def verify_sampled(
     last_token = int(torch.multinomial(last_row, 1, generator=generator))
     output = [*ids[:num_accepted].tolist(), last_token]
     return Verdict(output_token_ids=output, num_accepted=num_accepted, num_drafted=k)
-
-
-def sample_target_only(target_row: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from the target's own distribution. target_row: [vocab]"""
-    return int(torch.multinomial(target_row, 1, generator=generator))
