@@ -173,6 +173,7 @@ class Generation:
         self.draft_timeout_s = draft_timeout_s
         self.sequence = list(request.prompt_token_ids)
         self.generator = torch.Generator().manual_seed(request.seed)
+        self.sampling_proto = request.sampling.to_proto()  # the same for every round
         self.stats = Stats(prompt_tokens=len(self.sequence))
         self.finish_reason: int = orchestrator_pb2.FINISH_REASON_UNSPECIFIED
 
@@ -271,7 +272,7 @@ class Generation:
             keep=keep,
             append_token_ids=context[keep:],
             num_speculative_tokens=k,
-            sampling=self.request.sampling.to_proto(),
+            sampling=self.sampling_proto,
             # Seeded by position, so a block drafted again after a lost session is the same block.
             seed=(self.request.seed * _SEED_MIX + n) & _U64,
             min_confidence=self.request.min_confidence,
@@ -308,7 +309,7 @@ class Generation:
         """The target's verdict on a block, and the target's forward seconds."""
         sequence = self.sequence
         rows = len(draft.token_ids) + 1
-        sampling = self.request.sampling.to_proto()
+        sampling = self.sampling_proto
         response = await self.target.step(
             lambda keep: target_pb2.VerifyRequest(
                 request_id=self.request.request_id,

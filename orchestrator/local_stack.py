@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import IO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -64,12 +65,16 @@ class LocalStack:
     log_dir: Path | None = None
     startup_timeout_s: float = 300.0
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    _logs: list[IO[bytes]] = field(default_factory=list)
     orchestrator_address: str = ""
     target_address: str = ""
     draft_address: str = ""
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        out = open(self.log_dir / f"{name}.log", "wb") if self.log_dir else subprocess.DEVNULL  # noqa: SIM115
+        out: IO[bytes] | int = subprocess.DEVNULL
+        if self.log_dir:
+            out = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
+            self._logs.append(out)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         process = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=out, env=env)
         self.processes.append(process)
@@ -148,6 +153,9 @@ class LocalStack:
                 process.kill()
                 process.wait()
         self.processes.clear()
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
 
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()

@@ -79,6 +79,7 @@ class ReplicaPool:
         self._make_stub = make_stub
         self._resolve_interval_s = resolve_interval_s
         self._replicas: dict[str, Replica] = {}
+        self._retired: list[Replica] = []  # gone from DNS but still serving pinned sessions
         self._resolver: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -92,10 +93,11 @@ class ReplicaPool:
             if address not in self._replicas:
                 channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
                 self._replicas[address] = Replica(address, channel, self._make_stub(channel))
-        for address in [a for a in self._replicas if a not in addresses]:
-            gone = self._replicas.pop(address)
-            if gone.active == 0:
-                await gone.channel.close()
+        self._retired += [self._replicas.pop(a) for a in list(self._replicas) if a not in addresses]
+        # A retired replica's channel closes once its last pinned session has ended.
+        for replica in [r for r in self._retired if r.active == 0]:
+            self._retired.remove(replica)
+            await replica.channel.close()
 
     async def _resolve_forever(self) -> None:
         while True:
@@ -122,7 +124,7 @@ class ReplicaPool:
     async def close(self) -> None:
         if self._resolver:
             self._resolver.cancel()
-        for replica in self._replicas.values():
+        for replica in [*self._replicas.values(), *self._retired]:
             await replica.channel.close()
 
 

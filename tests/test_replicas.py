@@ -67,3 +67,32 @@ def test_dns_name_resolves_to_replicas(target_model, target_server):
         assert ids == hf_greedy(target_model, prompt, 10)
     finally:
         orchestrator.stop()
+
+
+def test_replica_gone_from_dns_keeps_its_channel_until_its_sessions_end(monkeypatch):
+    import asyncio
+
+    from orchestrator import upstream
+
+    answers = [["127.0.0.1:1", "127.0.0.1:2"], ["127.0.0.1:1"]]
+
+    async def fake_resolve(name: str) -> list[str]:
+        return answers.pop(0)
+
+    monkeypatch.setattr(upstream, "resolve", fake_resolve)
+
+    async def scenario() -> None:
+        pool = upstream.ReplicaPool("target", "dns:///target:1", lambda channel: object(), 3600)
+        await pool.refresh()
+        pinned = next(r for r in pool.replicas if r.address == "127.0.0.1:2")
+        pinned.active = 1
+        await pool.refresh()  # .2 is gone from DNS while a session is pinned to it
+        assert [r.address for r in pool.replicas] == ["127.0.0.1:1"]
+        assert pinned in pool._retired
+        pinned.active = 0
+        answers.append(["127.0.0.1:1"])
+        await pool.refresh()  # its last session ended: the channel closes
+        assert pool._retired == []
+        await pool.close()
+
+    asyncio.run(scenario())
