@@ -177,9 +177,12 @@ def test_session_and_token_limits_leave_other_sessions_running(target_model):
     try:
         with _channel(server) as channel:
             stub = target_pb2_grpc.TargetServiceStub(channel)
-            first, second, third = (RawSession(stub.Verify) for _ in range(3))
+            # A session opens when its stream starts: open each only once the previous one holds its slot.
+            first = RawSession(stub.Verify)
             assert first.step(target_pb2.VerifyRequest(keep=0, append_token_ids=[1] * 10, num_rows=1)).result == OK
+            second = RawSession(stub.Verify)
             assert second.step(target_pb2.VerifyRequest(keep=0, append_token_ids=[2] * 10, num_rows=1)).result == OK
+            third = RawSession(stub.Verify)
             with pytest.raises(grpc.RpcError) as error:
                 third.step(target_pb2.VerifyRequest(keep=0, append_token_ids=[3], num_rows=1))
             assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
