@@ -44,7 +44,7 @@ run: setup
 bench: setup
 	$(PY) -m bench
 
-# Retrain the default pair (about 50 minutes on 2 CPU cores), then measure it and write its model card.
+# Retrain the default pair (about 2.5 hours on 2 CPU cores), then measure it and write its model card.
 models: setup
 	$(PY) -m default_models.train --out $(PAIR)
 	$(PY) -m default_models.evaluate --pair $(PAIR)

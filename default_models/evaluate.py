@@ -19,6 +19,7 @@ import platform
 import statistics
 import time
 import tokenize
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -135,25 +136,30 @@ def function_body(prompt: str, completion: str) -> str:
     return "".join(body)
 
 
-def reads_as_python(source: str) -> bool:
-    """`tokenize` accepts it: brackets balance, strings close, indentation is consistent."""
+def tokenize_error(source: str) -> str | None:
+    """None when `tokenize` accepts it (brackets balance, strings close, indentation is consistent),
+    else tokenize's complaint."""
     # A completion cut by max_new_tokens ends mid-line; judge the complete lines.
     complete = source[: source.rfind("\n") + 1] if "\n" in source else source
     try:
         list(tokenize.generate_tokens(io.StringIO(complete).readline))
-    except (tokenize.TokenError, IndentationError, SyntaxError):
-        return False
-    return True
+    except (tokenize.TokenError, IndentationError, SyntaxError) as exc:
+        return str(exc.args[0])
+    return None
 
 
 def model_card(pair: Path, r: dict[str, Any], training: dict[str, Any]) -> str:
     """The model card: what the pair is, how it was trained, and the measured figures."""
-    cfg = training["config"]
+    cfg, stage1, rounds = training["config"], training["stage1"], training["rounds"]
+    rounds_text = "; ".join(
+        f"{r['steps']} steps on {r['generated_tokens']:,} generated tokens, final loss {r['final_loss']:.3f}"
+        for r in rounds
+    )
     greedy, sampled = r["greedy"], r["sampled"]
-    shapes = {side: f"{cfg[side]['num_hidden_layers']} x {cfg[side]['hidden_size']}" for side in ("target", "draft")}
     per_greedy = ", ".join(f"{p:.2f}" for p in greedy["per_position"])
     per_sampled = ", ".join(f"{p:.2f}" for p in sampled["per_position"])
     t_ms, d_ms = 1e3 * r["target_forward_s"], 1e3 * r["draft_forward_s"]
+    rejected = "; ".join(f"{message} ({count})" for message, count in r["tokenize_errors"].items()) or "none"
     samples = "\n\n".join(f"```python\n{s}\n```" for s in r["samples"])
     lines = [
         "# specdec default pair",
@@ -167,7 +173,7 @@ def model_card(pair: Path, r: dict[str, Any], training: dict[str, Any]) -> str:
         "| | target | draft |",
         "| --- | --- | --- |",
         f"| parameters | {r['target_parameters']:,} | {r['draft_parameters']:,} |",
-        f"| layers x width | {shapes['target']} | {shapes['draft']} |",
+        f"| layers x width | {r['target_shape']} | {r['draft_shape']} |",
         f"| held-out perplexity | {r['target_perplexity']:.2f} | {r['draft_perplexity']:.2f} |",
         f"| forward pass, as the services run it | {t_ms:.2f} ms for K + 1 = 5 tokens | {d_ms:.2f} ms for 1 token |",
         "",
@@ -181,11 +187,22 @@ def model_card(pair: Path, r: dict[str, Any], training: dict[str, Any]) -> str:
         "",
         "- Text: every `.py` file of the standard library except test suites and `lib2to3`; held out for",
         f"  evaluation: {', '.join(HELD_OUT_MODULES)}. {training['training_tokens']:,} training tokens.",
-        f"- Target: next-token cross-entropy, {cfg['target_steps']} steps of {cfg['batch_size']} x {cfg['seq_len']}"
-        " tokens, AdamW,",
-        f"  cosine schedule, bf16 autocast on CPU, seed {cfg['seed']}; final loss {training['target_final_loss']:.3f}.",
-        "- Draft: distilled from the target: KL(target || draft) on every position plus 0.1 x next-token",
-        f"  loss, {cfg['draft_steps']} steps; final loss {training['draft_final_distill_loss']:.3f}.",
+        f"- Target, stage 1: next-token cross-entropy, {cfg['target_steps']} steps of {cfg['batch_size']} x"
+        f" {cfg['seq_len']} tokens at {cfg['target']['num_hidden_layers']} layers, AdamW, cosine schedule, bf16",
+        f"  autocast on CPU, seed {cfg['seed']}; final loss {stage1['target_final_loss']:.3f}.",
+        f"- Target, stage 2: grown by {cfg['grown_layers']} layer (a copy of the last with its output projections"
+        " zeroed, so it",
+        f"  starts as the identity), then {cfg['target_steps_2']} more steps; final loss"
+        f" {training['target_final_loss']:.3f}.",
+        "- Draft, stage 1: the target's embeddings, first layers and head, distilled from the stage-1 target:",
+        f"  KL(target || draft) on every position plus 0.1 x next-token loss, {cfg['draft_steps']} steps; final"
+        f" loss {stage1['draft_final_distill_loss']:.3f}.",
+        f"- Draft, stage 2: {len(rounds)} rounds distilled from the final target. Each round has the target write"
+        f" fresh continuations of {cfg['generations']:,}",
+        "  training-set prompts (function headers and text; greedy and temperature 0.8), then trains on batches",
+        f"  of half library text and half those continuations: {rounds_text}.",
+        "- The shipped weights were trained in pieces (`--stage1`, then `--resume`); every piece is seeded, so a",
+        "  from-scratch `make models` follows the same recipe with the same seeds, though not bit for bit.",
         "",
         f"## Acceptance at K = 4 on {r['prompts']} held-out function headers, through the services",
         "",
@@ -198,7 +215,9 @@ def model_card(pair: Path, r: dict[str, Any], training: dict[str, Any]) -> str:
         "## Does it write Python?",
         "",
         f"{r['reads_as_python']:.0%} of greedy completions of held-out function headers (cut where the function",
-        "ends) are accepted by Python's `tokenize`. Three of them, as generated:",
+        f"ends, or at {r['max_new_tokens']} new tokens) are accepted by Python's `tokenize`. What it said about the"
+        f" others: {rejected}.",
+        "Three of them, as generated:",
         "",
         samples,
         "",
@@ -206,6 +225,11 @@ def model_card(pair: Path, r: dict[str, Any], training: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _shape(model: LoadedModel) -> str:
+    config = model.model.config
+    return f"{config.num_hidden_layers} x {config.hidden_size}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -225,7 +249,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "vocab_size": target.vocab_size,
         "target_parameters": target.model.num_parameters(),
         "draft_parameters": draft.model.num_parameters(),
+        "target_shape": _shape(target),
+        "draft_shape": _shape(draft),
         "prompts": args.prompts,
+        "max_new_tokens": args.max_new_tokens,
         "date": time.strftime("%Y-%m-%d"),
     }
     results["target_perplexity"] = perplexity(target)
@@ -242,7 +269,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["greedy"] = acceptance(stack.orchestrator_address, prompts, 0.0, args.max_new_tokens)
         results["sampled"] = acceptance(stack.orchestrator_address, prompts, 0.8, args.max_new_tokens)
     bodies = [function_body(p, c) for p, c in zip(prompts, results["greedy"]["completions"], strict=True)]
-    results["reads_as_python"] = sum(map(reads_as_python, bodies)) / len(bodies)
+    errors = [tokenize_error(body) for body in bodies]
+    results["reads_as_python"] = errors.count(None) / len(bodies)
+    results["tokenize_errors"] = dict(Counter(e for e in errors if e is not None).most_common())
     results["samples"] = bodies[:3]
     for mode in ("greedy", "sampled"):
         print(mode, {k: v for k, v in results[mode].items() if k != "completions"})

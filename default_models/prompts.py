@@ -1,7 +1,9 @@
 """Held-out prompts: function headers from the held-out standard-library modules.
 
-A prompt is a function's `def` line (or lines, for a long signature) plus its docstring's first
-line when it has one, and the indentation of the body, so that the model continues with code.
+A prompt is a function's `def` line (or lines, for a long signature), ending at the signature's colon.
+It stops there, not after the newline and the body's indentation, because the tokenizer merges a line
+break with the next line's indentation (`"\n   "`, then `" return"`): a prompt that ended inside that
+whitespace would hand the model a token sequence it never saw in training.
 """
 
 from __future__ import annotations
@@ -22,17 +24,15 @@ def _header(source_lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDe
     header = source_lines[start:end]
     if not header:
         return None
-    body_line = source_lines[first.lineno - 1]
-    indent = body_line[: len(body_line) - len(body_line.lstrip())]
     # Methods are dedented to top level, as if the function stood alone.
     offset = node.col_offset
-    return "".join(line[offset:] if line[:offset].isspace() else line for line in header) + indent[offset:]
+    return "".join(line[offset:] if line[:offset].isspace() else line for line in header).rstrip()
 
 
-def held_out_prompts(count: int, stdlib: Path | None = None) -> list[str]:
-    """`count` prompts spread evenly over all functions of the held-out modules, in a fixed order."""
+def function_headers(files: list[Path]) -> list[str]:
+    """Every function header in `files` (20 to 400 characters, undecorated), in file order."""
     headers: list[str] = []
-    for path in load_corpus(stdlib).held_out_files:
+    for path in files:
         text = read_text(path)
         try:
             tree = ast.parse(text)
@@ -44,6 +44,12 @@ def held_out_prompts(count: int, stdlib: Path | None = None) -> list[str]:
                 header = _header(lines, node)
                 if header and 20 <= len(header) <= 400 and not header.lstrip().startswith("@"):
                     headers.append(header)
+    return headers
+
+
+def held_out_prompts(count: int, stdlib: Path | None = None) -> list[str]:
+    """`count` prompts spread evenly over all functions of the held-out modules, in a fixed order."""
+    headers = function_headers(load_corpus(stdlib).held_out_files)
     if not headers:
         raise RuntimeError("no held-out functions found; is the Python standard library source installed?")
     step = max(1, len(headers) // count)

@@ -2,25 +2,37 @@
 
     python -m default_models.train --out default_models/pair
 
-Three steps, all with fixed seeds:
+Two stages, all with fixed seeds.
+
+Stage 1:
 1. a byte-level BPE tokenizer shared by both models;
 2. the target, a small Llama-architecture model, trained on next-token prediction;
-3. the draft, a much smaller model distilled from the target: trained to match the target's
-   next-token distributions (KL divergence), not only the text, because acceptance rate is what a
-   draft is for.
+3. the draft, a much smaller model started from the target's embeddings and first layers and
+   distilled from it: trained to match the target's next-token distributions (KL divergence), not
+   only the text, because acceptance rate is what a draft is for.
+
+Stage 2:
+4. the target grows by a layer that starts as the identity (so nothing learnt is lost) and trains on;
+5. the target writes continuations of training-set function headers and text, greedy and sampled;
+6. the draft is distilled again from the grown target, on a mix of library text and those
+   continuations: the contexts a draft meets in service are the target's own output.
+
 It writes ordinary Hugging Face checkpoints (`target/`, `draft/`, each with the tokenizer files).
+`--stage1 DIR` starts stage 2 from a stage-1 pair saved in DIR instead of training stage 1 again.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +41,7 @@ from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from default_models.corpus import load_corpus, read_text
+from default_models.prompts import function_headers
 
 EOS_TOKEN = "<|endoftext|>"
 # (model, window [batch, seq_len + 1]) -> scalar loss
@@ -64,6 +77,16 @@ class TrainConfig:
     warmup_steps: int = 60
     seed: int = 1234
     threads: int = 2
+    # Stage 2.
+    grown_layers: int = 1
+    target_steps_2: int = 1500
+    learning_rate_2: float = 1e-3
+    generations: int = 2048
+    generation_tokens: int = 192
+    generation_batch: int = 64
+    # Each round: fresh target continuations, then this many distillation steps.
+    draft_rounds: tuple[int, ...] = (1500, 1800)
+    draft_learning_rate_2: float = 1.5e-3
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -199,6 +222,88 @@ class DistillLoss:
         return kl + self.text_weight * text
 
 
+def grow(
+    model: LlamaForCausalLM, extra_layers: int, cfg: TrainConfig, tokenizer: PreTrainedTokenizerFast
+) -> LlamaForCausalLM:
+    """A deeper model computing the same function: each new layer is a copy of the last one with its
+    two output projections zeroed, so it adds nothing to the residual stream until training moves them."""
+    shape = cfg.target
+    deeper = ModelShape(
+        shape.hidden_size,
+        shape.intermediate_size,
+        model.config.num_hidden_layers + extra_layers,
+        shape.num_attention_heads,
+    )
+    grown = build_model(deeper, cfg, tokenizer)
+    missing, unexpected = grown.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and all(".layers." in key for key in missing), (missing, unexpected)
+    for layer in grown.model.layers[model.config.num_hidden_layers :]:
+        layer.load_state_dict(model.model.layers[-1].state_dict())
+        torch.nn.init.zeros_(layer.self_attn.o_proj.weight)
+        torch.nn.init.zeros_(layer.mlp.down_proj.weight)
+    probe = torch.randint(0, len(tokenizer), (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.eval(), grown.eval()
+        assert torch.allclose(model(probe).logits, grown(probe).logits, atol=1e-5), "growth changed the model"
+    return grown
+
+
+def generation_prompts(
+    tokenizer: PreTrainedTokenizerFast,
+    stream: torch.Tensor,
+    texts_files: list[Path],
+    cfg: TrainConfig,
+    generator: torch.Generator,
+) -> list[list[int]]:
+    """Half training-set function headers, half 48-token windows of training text, shuffled."""
+    headers = function_headers(texts_files)
+    picks = torch.randperm(len(headers), generator=generator)[: cfg.generations // 2].tolist()
+    prompts = [tokenizer(headers[i], add_special_tokens=False)["input_ids"] for i in picks]
+    starts = torch.randint(0, stream.numel() - 48, (cfg.generations - len(prompts),), generator=generator)
+    prompts += [stream[s : s + 48].tolist() for s in starts.tolist()]
+    order = torch.randperm(len(prompts), generator=generator).tolist()
+    return [prompts[i] for i in order]
+
+
+def target_generations(
+    target: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, prompts: list[list[int]], cfg: TrainConfig
+) -> torch.Tensor:
+    """The target's own continuations of `prompts`, alternately greedy and sampled at temperature 0.8,
+    each prompt plus continuation followed by EOS, as one token stream.  # [num_tokens]"""
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    bar = tqdm(range(0, len(prompts), cfg.generation_batch), desc="target generations", mininterval=5.0)
+    for batch_index, first in enumerate(bar):
+        group = prompts[first : first + cfg.generation_batch]
+        width = max(map(len, group))
+        # Left padding, so every row's continuation starts at the same column.
+        input_ids = torch.tensor([[eos] * (width - len(p)) + p for p in group])
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        sampled = batch_index % 2 == 1
+        with torch.inference_mode():
+            out = target.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=cfg.generation_tokens,
+                do_sample=sampled,
+                temperature=0.8 if sampled else None,
+                top_p=None,
+                top_k=None,
+                pad_token_id=eos,
+            )
+        for prompt, row in zip(group, out[:, width:].tolist(), strict=True):
+            continuation = row[: row.index(eos)] if eos in row else row
+            ids += [*prompt, *continuation, eos]
+        bar.set_postfix(tokens=f"{len(ids):,}")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def mixed_batches(first: Iterator[torch.Tensor], second: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """Each batch: one batch from each source, stacked."""
+    while True:
+        yield torch.cat([next(first), next(second)])
+
+
 def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
     """Weights in bfloat16 (half the bytes; loading upcasts them to float32 exactly)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -206,44 +311,20 @@ def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path)
     tokenizer.save_pretrained(out)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("default_models/pair"))
-    parser.add_argument("--target-steps", type=int, default=TrainConfig.target_steps)
-    parser.add_argument("--draft-steps", type=int, default=TrainConfig.draft_steps)
-    parser.add_argument("--threads", type=int, default=TrainConfig.threads)
-    parser.add_argument(
-        "--draft-only", action="store_true", help="keep OUT/target and its tokenizer; retrain the draft"
+def _tail_mean(losses: list[float]) -> float:
+    tail = losses[-50:]
+    return sum(tail) / len(tail)
+
+
+def stage1(
+    cfg: TrainConfig, texts: list[str], generator: torch.Generator
+) -> tuple[PreTrainedTokenizerFast, LlamaForCausalLM, LlamaForCausalLM, dict[str, float]]:
+    tokenizer = train_tokenizer(texts, cfg.vocab_size)
+    stream = encode_corpus(tokenizer, texts)
+    target = build_model(cfg.target, cfg, tokenizer)
+    target_losses = _optimise(
+        target, cfg.target_steps, cfg.learning_rate, cfg, batches(stream, cfg, generator), next_token_loss, "target"
     )
-    args = parser.parse_args(argv)
-    cfg = TrainConfig(target_steps=args.target_steps, draft_steps=args.draft_steps, threads=args.threads)
-
-    torch.manual_seed(cfg.seed)
-    torch.set_num_threads(cfg.threads)
-    corpus = load_corpus()
-    texts = [read_text(p) for p in corpus.train_files]
-    print(f"corpus: {len(corpus.train_files)} training files, {len(corpus.held_out_files)} held out")
-
-    generator = torch.Generator().manual_seed(cfg.seed)
-    if args.draft_only:
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(args.out / "target")
-        stream = encode_corpus(tokenizer, texts)
-        target = LlamaForCausalLM.from_pretrained(args.out / "target", dtype=torch.float32).eval()
-        previous = json.loads((args.out / "training.json").read_text())
-        target_losses = [previous["target_final_loss"]] * 50
-        cfg = TrainConfig(
-            target_steps=previous["config"]["target_steps"], draft_steps=args.draft_steps, threads=args.threads
-        )
-    else:
-        tokenizer = train_tokenizer(texts, cfg.vocab_size)
-        stream = encode_corpus(tokenizer, texts)
-        target = build_model(cfg.target, cfg, tokenizer)
-        target_losses = _optimise(
-            target, cfg.target_steps, cfg.learning_rate, cfg, batches(stream, cfg, generator), next_token_loss, "target"
-        )
-        save(target, tokenizer, args.out / "target")
-    print(f"tokenizer: {len(tokenizer)} tokens; training stream: {stream.numel():,} tokens")
-
     draft = build_model(cfg.draft, cfg, tokenizer)
     init_draft_from_target(draft, target)
     draft_losses = _optimise(
@@ -255,16 +336,98 @@ def main(argv: list[str] | None = None) -> None:
         DistillLoss(target),
         "draft (distil)",
     )
+    losses = {"target_final_loss": _tail_mean(target_losses), "draft_final_distill_loss": _tail_mean(draft_losses)}
+    return tokenizer, target, draft, losses
+
+
+def distil_round(
+    index: int,
+    steps: int,
+    draft: LlamaForCausalLM,
+    target: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    stream: torch.Tensor,
+    train_files: list[Path],
+    cfg: TrainConfig,
+) -> dict[str, float]:
+    """One round of stage 2 for the draft: fresh target continuations, then distillation on a mix of
+    library text and those continuations. Seeded by the round's index, so a resumed run matches."""
+    generator = torch.Generator().manual_seed(cfg.seed + 2 + index)
+    torch.manual_seed(cfg.seed + 2 + index)
+    prompts = generation_prompts(tokenizer, stream, train_files, cfg, generator)
+    generated = target_generations(target, tokenizer, prompts, cfg)
+    half = dataclasses.replace(cfg, batch_size=cfg.batch_size // 2)
+    losses = _optimise(
+        draft,
+        steps,
+        cfg.draft_learning_rate_2,
+        cfg,
+        mixed_batches(batches(stream, half, generator), batches(generated, half, generator)),
+        DistillLoss(target),
+        f"draft round {index + 1} (distil on target output)",
+    )
+    return {"steps": steps, "generated_tokens": generated.numel(), "final_loss": _tail_mean(losses)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("default_models/pair"))
+    resume = parser.add_mutually_exclusive_group()
+    resume.add_argument("--stage1", type=Path, help="a saved stage-1 pair to start stage 2 from")
+    resume.add_argument(
+        "--resume", type=Path, help="a saved stage-2 pair (its training.json lists the draft rounds done) to go on from"
+    )
+    parser.add_argument("--threads", type=int, default=TrainConfig.threads)
+    args = parser.parse_args(argv)
+    cfg = TrainConfig(threads=args.threads)
+
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.threads)
+    corpus = load_corpus()
+    texts = [read_text(p) for p in corpus.train_files]
+    print(f"corpus: {len(corpus.train_files)} training files, {len(corpus.held_out_files)} held out")
+
+    saved = args.stage1 or args.resume
+    record: dict[str, Any] = {"config": asdict(cfg), "rounds": []}
+    if saved is not None:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(saved / "target")
+        target = LlamaForCausalLM.from_pretrained(saved / "target", dtype=torch.float32)
+        draft = LlamaForCausalLM.from_pretrained(saved / "draft", dtype=torch.float32)
+        previous = json.loads((saved / "training.json").read_text())
+        record["stage1"] = previous["stage1"]
+        if args.resume is not None:
+            record["rounds"] = previous["rounds"]
+            record["target_final_loss"] = previous["target_final_loss"]
+    else:
+        tokenizer, target, draft, record["stage1"] = stage1(cfg, texts, torch.Generator().manual_seed(cfg.seed))
+    stream = encode_corpus(tokenizer, texts)
+    print(f"tokenizer: {len(tokenizer)} tokens; training stream: {stream.numel():,} tokens")
+
+    if args.resume is None:
+        target = grow(target, cfg.grown_layers, cfg, tokenizer)
+        target_losses = _optimise(
+            target,
+            cfg.target_steps_2,
+            cfg.learning_rate_2,
+            cfg,
+            batches(stream, cfg, torch.Generator().manual_seed(cfg.seed + 1)),
+            next_token_loss,
+            "target (grown)",
+        )
+        record["target_final_loss"] = _tail_mean(target_losses)
+    save(target, tokenizer, args.out / "target")
+    target.eval()
+    for index in range(len(record["rounds"]), len(cfg.draft_rounds)):
+        steps = cfg.draft_rounds[index]
+        record["rounds"].append(distil_round(index, steps, draft, target, tokenizer, stream, corpus.train_files, cfg))
     save(draft, tokenizer, args.out / "draft")
 
-    record = {
-        "config": asdict(cfg),
-        "training_tokens": stream.numel(),
-        "target_parameters": target.num_parameters(),
-        "draft_parameters": draft.num_parameters(),
-        "target_final_loss": sum(target_losses[-50:]) / 50,
-        "draft_final_distill_loss": sum(draft_losses[-50:]) / 50,
-    }
+    record.update(
+        training_tokens=stream.numel(),
+        target_parameters=target.num_parameters(),
+        draft_parameters=draft.num_parameters(),
+        draft_final_distill_loss=record["rounds"][-1]["final_loss"],
+    )
     (args.out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record, indent=2))
 

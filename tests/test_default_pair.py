@@ -48,7 +48,7 @@ def test_short_generation_through_the_services():
     target, draft = start_target(target_model), start_draft(draft_model)
     orchestrator = OrchestratorThread(orchestrator_config(target, draft))
     try:
-        prompt = "def is_even(n):\n    "
+        prompt = "def is_even(n):"
         request = orchestrator_pb2.GenerateRequest(text=prompt, max_new_tokens=24, num_speculative_tokens=4)
         ids, text, last = collect(orchestrator.stub, request)
         assert text and last.stats.draft_tokens > 0 and last.stats.accepted_tokens > 0

@@ -1,0 +1,63 @@
+"""The default pair's training recipe: the growth step keeps the function, target generations are well formed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from default_models.train import ModelShape, TrainConfig, build_model, grow, target_generations, train_tokenizer
+
+TEXTS = ["def add(a, b):\n    return a + b\n", "class Point:\n    x: int = 0\n    y: int = 0\n"] * 20
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = TrainConfig(
+        vocab_size=300, target=ModelShape(32, 64, 2, 2), generations=6, generation_batch=4, generation_tokens=5
+    )
+    tokenizer = train_tokenizer(TEXTS, cfg.vocab_size)
+    torch.manual_seed(0)
+    return cfg, tokenizer, build_model(cfg.target, cfg, tokenizer).eval()
+
+
+def test_grow_adds_identity_layers_that_then_train(tiny):
+    cfg, tokenizer, model = tiny
+    grown = grow(model, 2, cfg, tokenizer)
+    assert grown.config.num_hidden_layers == model.config.num_hidden_layers + 2
+    ids = torch.tensor([tokenizer(TEXTS[0])["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(grown(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
+    grown.train()
+    grown(ids, labels=ids).loss.backward()
+    new_layer = grown.model.layers[-1]
+    assert new_layer.mlp.down_proj.weight.grad.abs().sum() > 0  # the zeroed projections do learn
+    assert new_layer.self_attn.o_proj.weight.grad.abs().sum() > 0
+
+
+def test_target_generations_form_one_stream_of_prompt_continuation_eos(tiny):
+    cfg, tokenizer, model = tiny
+    prompts = [tokenizer(t)["input_ids"] for t in ("def add(a, b):", "class", "x: int = 0\n", "def")]
+    prompts += prompts[:2]
+    stream = target_generations(model, tokenizer, prompts, dataclasses.replace(cfg)).tolist()
+    eos = tokenizer.eos_token_id
+    pieces: list[list[int]] = []
+    current: list[int] = []
+    for token in stream:
+        if token == eos:
+            pieces.append(current)
+            current = []
+        else:
+            current.append(token)
+    assert not current and len(pieces) == len(prompts)
+    for prompt, piece in zip(prompts, pieces, strict=True):
+        assert piece[: len(prompt)] == prompt  # left padding never leaks into the stream
+        assert len(prompt) < len(piece) <= len(prompt) + cfg.generation_tokens
+    # The first batch is greedy: each row continues exactly as its prompt would alone, unpadded.
+    for prompt, piece in zip(prompts[: cfg.generation_batch], pieces, strict=False):
+        alone = model.generate(
+            torch.tensor([prompt]), max_new_tokens=cfg.generation_tokens, do_sample=False, pad_token_id=eos
+        )[0].tolist()
+        alone = alone[: alone.index(eos, len(prompt))] if eos in alone[len(prompt) :] else alone
+        assert piece == alone
