@@ -20,7 +20,7 @@ import statistics
 import time
 import tokenize
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,21 +57,33 @@ def perplexity(model: LoadedModel, max_windows: int = 400) -> float:
     return math.exp(total / count)
 
 
+def _median_step_seconds(step: Callable[[], object], rollback: Callable[[], None], repeats: int) -> float:
+    """Median wall time of `step`, with `rollback` (untimed) after each so every step sees the same cache."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+        rollback()
+    return statistics.median(times)
+
+
+def _random_ids(model: LoadedModel, count: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randint(1, model.vocab_size, (1, count), generator=generator)
+
+
 def forward_seconds(model: LoadedModel, context: int, tokens: int, repeats: int = 60) -> float:
     """Median time of one cached forward pass feeding `tokens` after `context`, as the services do."""
     generator = torch.Generator().manual_seed(0)
-    prefix = torch.randint(1, model.vocab_size, (1, context), generator=generator)
-    block = torch.randint(1, model.vocab_size, (1, tokens), generator=generator)
-    times = []
+    prefix, block = _random_ids(model, context, generator), _random_ids(model, tokens, generator)
     with torch.inference_mode():
         cache = DynamicCache(config=model.model.config)
         model.model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
-        for _ in range(repeats):
-            started = time.perf_counter()
-            model.model(input_ids=block, cache=cache, use_cache=True, logits_to_keep=tokens)
-            times.append(time.perf_counter() - started)
-            cache.crop(-tokens)
-    return statistics.median(times)
+        return _median_step_seconds(
+            lambda: model.model(input_ids=block, cache=cache, use_cache=True, logits_to_keep=tokens),
+            lambda: cache.crop(-tokens),
+            repeats,
+        )
 
 
 def lean_forward_seconds(model: LoadedModel, context: int, repeats: int = 200) -> float | None:
@@ -80,17 +92,11 @@ def lean_forward_seconds(model: LoadedModel, context: int, repeats: int = 200) -
     if lean is None:
         return None
     generator = torch.Generator().manual_seed(0)
-    prefix = torch.randint(1, model.vocab_size, (context,), generator=generator).tolist()
-    times = []
+    prefix, token = _random_ids(model, context, generator)[0].tolist(), _random_ids(model, 1, generator)[0].tolist()
     with torch.inference_mode():
         cache = lean.new_cache()
         lean.forward(prefix, cache)
-        for token in torch.randint(1, model.vocab_size, (repeats,), generator=generator).tolist():
-            started = time.perf_counter()
-            lean.forward([token], cache)
-            times.append(time.perf_counter() - started)
-            cache.crop(-1)
-    return statistics.median(times)
+        return _median_step_seconds(lambda: lean.forward(token, cache), lambda: cache.crop(-1), repeats)
 
 
 def acceptance(address: str, prompts: list[str], temperature: float, max_new_tokens: int) -> dict[str, Any]:
@@ -262,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lean = lean_forward_seconds(draft, context=128)
     results["draft_forward_s"] = lean if lean is not None else results["draft_hf_forward_s"]
     results["forward_cost_ratio"] = results["target_forward_s"] / results["draft_forward_s"]
-    print(json.dumps({k: v for k, v in results.items()}, indent=1))
+    print(json.dumps(results, indent=1))
 
     prompts = held_out_prompts(args.prompts)
     with LocalStack(str(args.pair / "target"), str(args.pair / "draft")) as stack:

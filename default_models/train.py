@@ -18,7 +18,8 @@ Stage 2:
    continuations: the contexts a draft meets in service are the target's own output.
 
 It writes ordinary Hugging Face checkpoints (`target/`, `draft/`, each with the tokenizer files).
-`--stage1 DIR` starts stage 2 from a stage-1 pair saved in DIR instead of training stage 1 again.
+`--stage1 DIR` starts stage 2 from a stage-1 pair saved in DIR instead of training stage 1 again;
+`--resume DIR` goes on from a stage-2 pair saved in DIR with the draft rounds its training.json lists.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from default_models.corpus import load_corpus, read_text
 from default_models.prompts import function_headers
 
 EOS_TOKEN = "<|endoftext|>"
+PROMPT_WINDOW = 48  # tokens of training text that prompt a target generation
 # (model, window [batch, seq_len + 1]) -> scalar loss
 LossFn = Callable[[LlamaForCausalLM, torch.Tensor], torch.Tensor]
 
@@ -243,7 +245,8 @@ def grow(
         torch.nn.init.zeros_(layer.mlp.down_proj.weight)
     probe = torch.randint(0, len(tokenizer), (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model.eval(), grown.eval()
+        model.eval()
+        grown.eval()
         assert torch.allclose(model(probe).logits, grown(probe).logits, atol=1e-5), "growth changed the model"
     return grown
 
@@ -251,16 +254,16 @@ def grow(
 def generation_prompts(
     tokenizer: PreTrainedTokenizerFast,
     stream: torch.Tensor,
-    texts_files: list[Path],
+    train_files: list[Path],
     cfg: TrainConfig,
     generator: torch.Generator,
 ) -> list[list[int]]:
-    """Half training-set function headers, half 48-token windows of training text, shuffled."""
-    headers = function_headers(texts_files)
+    """Half training-set function headers, half PROMPT_WINDOW-token windows of training text, shuffled."""
+    headers = function_headers(train_files)
     picks = torch.randperm(len(headers), generator=generator)[: cfg.generations // 2].tolist()
     prompts = [tokenizer(headers[i], add_special_tokens=False)["input_ids"] for i in picks]
-    starts = torch.randint(0, stream.numel() - 48, (cfg.generations - len(prompts),), generator=generator)
-    prompts += [stream[s : s + 48].tolist() for s in starts.tolist()]
+    starts = torch.randint(0, stream.numel() - PROMPT_WINDOW, (cfg.generations - len(prompts),), generator=generator)
+    prompts += [stream[s : s + PROMPT_WINDOW].tolist() for s in starts.tolist()]
     order = torch.randperm(len(prompts), generator=generator).tolist()
     return [prompts[i] for i in order]
 
@@ -317,10 +320,8 @@ def _tail_mean(losses: list[float]) -> float:
 
 
 def stage1(
-    cfg: TrainConfig, texts: list[str], generator: torch.Generator
-) -> tuple[PreTrainedTokenizerFast, LlamaForCausalLM, LlamaForCausalLM, dict[str, float]]:
-    tokenizer = train_tokenizer(texts, cfg.vocab_size)
-    stream = encode_corpus(tokenizer, texts)
+    cfg: TrainConfig, tokenizer: PreTrainedTokenizerFast, stream: torch.Tensor, generator: torch.Generator
+) -> tuple[LlamaForCausalLM, LlamaForCausalLM, dict[str, float]]:
     target = build_model(cfg.target, cfg, tokenizer)
     target_losses = _optimise(
         target, cfg.target_steps, cfg.learning_rate, cfg, batches(stream, cfg, generator), next_token_loss, "target"
@@ -337,7 +338,7 @@ def stage1(
         "draft (distil)",
     )
     losses = {"target_final_loss": _tail_mean(target_losses), "draft_final_distill_loss": _tail_mean(draft_losses)}
-    return tokenizer, target, draft, losses
+    return target, draft, losses
 
 
 def distil_round(
@@ -391,6 +392,11 @@ def main(argv: list[str] | None = None) -> None:
     record: dict[str, Any] = {"config": asdict(cfg), "rounds": []}
     if saved is not None:
         tokenizer = PreTrainedTokenizerFast.from_pretrained(saved / "target")
+    else:
+        tokenizer = train_tokenizer(texts, cfg.vocab_size)
+    stream = encode_corpus(tokenizer, texts)
+    print(f"tokenizer: {len(tokenizer)} tokens; training stream: {stream.numel():,} tokens")
+    if saved is not None:
         target = LlamaForCausalLM.from_pretrained(saved / "target", dtype=torch.float32)
         draft = LlamaForCausalLM.from_pretrained(saved / "draft", dtype=torch.float32)
         previous = json.loads((saved / "training.json").read_text())
@@ -399,9 +405,7 @@ def main(argv: list[str] | None = None) -> None:
             record["rounds"] = previous["rounds"]
             record["target_final_loss"] = previous["target_final_loss"]
     else:
-        tokenizer, target, draft, record["stage1"] = stage1(cfg, texts, torch.Generator().manual_seed(cfg.seed))
-    stream = encode_corpus(tokenizer, texts)
-    print(f"tokenizer: {len(tokenizer)} tokens; training stream: {stream.numel():,} tokens")
+        target, draft, record["stage1"] = stage1(cfg, tokenizer, stream, torch.Generator().manual_seed(cfg.seed))
 
     if args.resume is None:
         target = grow(target, cfg.grown_layers, cfg, tokenizer)
@@ -416,7 +420,6 @@ def main(argv: list[str] | None = None) -> None:
         )
         record["target_final_loss"] = _tail_mean(target_losses)
     save(target, tokenizer, args.out / "target")
-    target.eval()
     for index in range(len(record["rounds"]), len(cfg.draft_rounds)):
         steps = cfg.draft_rounds[index]
         record["rounds"].append(distil_round(index, steps, draft, target, tokenizer, stream, corpus.train_files, cfg))
@@ -426,7 +429,6 @@ def main(argv: list[str] | None = None) -> None:
         training_tokens=stream.numel(),
         target_parameters=target.num_parameters(),
         draft_parameters=draft.num_parameters(),
-        draft_final_distill_loss=record["rounds"][-1]["final_loss"],
     )
     (args.out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record, indent=2))
