@@ -3,7 +3,9 @@
 A small draft runs one token per forward pass, and at that size the cost of a Hugging Face forward is
 mostly framework overhead (module calls, output dataclasses, mask construction), not arithmetic. This
 module computes the same function directly over the model's own weight tensors, with a preallocated
-KV cache whose rollback is moving a length. At start-up `LeanDraft.attach` checks it against the
+KV cache whose rollback is moving a length, one matrix product for the query, key and value projections
+(and one for the gate and up projections), queries and keys rotated together, and one fused RMSNorm
+kernel in float32. At start-up `LeanDraft.attach` checks it against the
 model's own forward pass and declines when they disagree, so an unfamiliar architecture falls back
 to the ordinary path. Exactness never depends on it: the draft reports the rows it really sampled from.
 """
@@ -39,6 +41,27 @@ class LeanCache:
         self.length = max(0, self.length + min(0, tokens_to_remove))
 
 
+def _fuse(*projections: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for projections of the same input, so a step runs one matrix product
+    instead of several. The projections' own weights become views into it: nothing is stored twice,
+    and the model's own forward computes what it did."""
+    weight = torch.cat([p.weight.detach() for p in projections])
+    has_bias = any(p.bias is not None for p in projections)
+    bias = (
+        torch.cat([p.bias.detach() if p.bias is not None else weight.new_zeros(p.out_features) for p in projections])
+        if has_bias
+        else None
+    )
+    start = 0
+    for p in projections:
+        rows = p.out_features
+        p.weight.data = weight[start : start + rows]
+        if bias is not None and p.bias is not None:
+            p.bias.data = bias[start : start + rows]
+        start += rows
+    return weight, bias
+
+
 class LeanDraft:
     """The lean forward over a loaded Llama-family model."""
 
@@ -56,6 +79,11 @@ class LeanDraft:
         self.max_context = config.max_position_embeddings
         first = model.get_input_embeddings().weight
         self.device, self.dtype = first.device, first.dtype
+        # (weight, bias) of the fused query-key-value and gate-up projections, per layer.
+        self.qkv = [
+            _fuse(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj) for layer in self.layers
+        ]
+        self.gate_up = [_fuse(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in self.layers]
 
     @classmethod
     def attach(cls, model: PreTrainedModel) -> LeanDraft | None:
@@ -93,7 +121,9 @@ class LeanDraft:
             cache.data = data
 
     def _rms_norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        h = hidden.float()
+        if hidden.dtype == torch.float32:
+            return F.rms_norm(hidden, weight.shape, weight, self.eps)  # one kernel, the same arithmetic
+        h = hidden.float()  # lower precisions: Hugging Face's exact order of operations
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * h.to(hidden.dtype)
 
@@ -116,28 +146,28 @@ class LeanDraft:
         mask = None
         if count > 1:
             mask = torch.arange(end, device=self.device)[None] <= positions[0][:, None]  # [T, end]
+        heads, kv_heads = self.num_heads, self.num_kv_heads
         for index, layer in enumerate(self.layers):
-            attn = layer.self_attn
             x = self._rms_norm(hidden, layer.input_layernorm.weight)
-            q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(1, count, self.num_heads, self.head_dim)
-            k = F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(1, count, self.num_kv_heads, self.head_dim)
-            v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(1, count, self.num_kv_heads, self.head_dim)
-            q = self._rotate(q.transpose(1, 2), cos, sin)
-            cache.data[index, 0, :, start:end] = self._rotate(k.transpose(1, 2), cos, sin)[0]
-            cache.data[index, 1, :, start:end] = v.transpose(1, 2)[0]
-            keys = cache.data[index, 0, :, :end][None]
-            values = cache.data[index, 1, :, :end][None]
+            qkv = F.linear(x, *self.qkv[index]).view(1, count, heads + 2 * kv_heads, self.head_dim).transpose(1, 2)
+            qk = self._rotate(qkv[:, : heads + kv_heads], cos, sin)  # queries and keys rotate together
+            cache.data[index, 0, :, start:end] = qk[0, heads:]
+            cache.data[index, 1, :, start:end] = qkv[0, heads + kv_heads :]
             out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=self.num_kv_heads != self.num_heads
+                qk[:, :heads],
+                cache.data[index, 0, :, :end][None],
+                cache.data[index, 1, :, :end][None],
+                attn_mask=mask,
+                scale=self.scaling,
+                enable_gqa=kv_heads != heads,
             )
-            out = out.transpose(1, 2).reshape(1, count, self.num_heads * self.head_dim)
+            out = out.transpose(1, 2).reshape(1, count, heads * self.head_dim)
+            attn = layer.self_attn
             hidden = hidden + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
-            mlp = layer.mlp
             x = self._rms_norm(hidden, layer.post_attention_layernorm.weight)
-            gated = self.act(F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)) * F.linear(
-                x, mlp.up_proj.weight, mlp.up_proj.bias
-            )
-            hidden = hidden + F.linear(gated, mlp.down_proj.weight, mlp.down_proj.bias)
+            gate, up = F.linear(x, *self.gate_up[index]).chunk(2, dim=-1)
+            mlp = layer.mlp
+            hidden = hidden + F.linear(self.act(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
         cache.length = end
         last = self._rms_norm(hidden[:, -1], self.model.model.norm.weight)
         head = self.model.get_output_embeddings()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from draft_service.lean import LeanDraft
 from draft_service.servicer import DraftServicer
@@ -43,6 +43,28 @@ def test_cache_grows_past_its_first_allocation():
         got = lean.forward(ids, cache)
         want = model(torch.tensor([ids])).logits[0, -1]
     assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_fused_projections_keep_biases_and_the_models_own_forward():
+    # Qwen2 has biases on its query, key and value projections; the lean pass fuses all three.
+    torch.manual_seed(6)
+    config = Qwen2Config(
+        vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config).eval()
+    for layer in model.model.layers:
+        for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            torch.nn.init.normal_(projection.bias, std=0.5)  # zero at initialisation: make them count
+    ids = torch.randint(0, 80, (1, 20))
+    with torch.inference_mode():
+        before = model(ids).logits[0]
+        lean = LeanDraft.attach(model)
+        assert lean is not None
+        assert torch.equal(model(ids).logits[0], before)
+        cache = lean.new_cache()
+        got = torch.stack([lean.forward(ids[0, :12].tolist(), cache), lean.forward(ids[0, 12:].tolist(), cache)])
+    assert torch.allclose(got, before[[11, 19]], atol=1e-4)
 
 
 def test_unsupported_architectures_keep_the_ordinary_forward():
