@@ -86,11 +86,8 @@ def forward_seconds(model: LoadedModel, context: int, tokens: int, repeats: int 
         )
 
 
-def lean_forward_seconds(model: LoadedModel, context: int, repeats: int = 200) -> float | None:
-    """Median time of the draft service's lean one-token step, or None when it would not use it."""
-    lean = LeanDraft.attach(model.model)
-    if lean is None:
-        return None
+def lean_forward_seconds(lean: LeanDraft, model: LoadedModel, context: int, repeats: int = 200) -> float:
+    """Median time of the draft service's lean one-token step."""
     generator = torch.Generator().manual_seed(0)
     prefix, token = _random_ids(model, context, generator)[0].tolist(), _random_ids(model, 1, generator)[0].tolist()
     with torch.inference_mode():
@@ -102,12 +99,12 @@ def lean_forward_seconds(model: LoadedModel, context: int, repeats: int = 200) -
 def forward_costs(target: LoadedModel, draft: LoadedModel, repetitions: int = 7) -> dict[str, Any]:
     """Target (K + 1 = 5 tokens) and draft (1 token) forward times, measured in turn `repetitions` times
     so that a shared machine's drift hits both alike: medians, and the ratio's median and range."""
+    lean = LeanDraft.attach(draft.model)  # what the draft service runs, when it can
     target_s, draft_hf_s, draft_s = [], [], []
     for _ in range(repetitions):
         target_s.append(forward_seconds(target, context=128, tokens=5))
         draft_hf_s.append(forward_seconds(draft, context=128, tokens=1))
-        lean = lean_forward_seconds(draft, context=128)
-        draft_s.append(lean if lean is not None else draft_hf_s[-1])
+        draft_s.append(lean_forward_seconds(lean, draft, context=128) if lean is not None else draft_hf_s[-1])
     ratios = [t / d for t, d in zip(target_s, draft_s, strict=True)]
     return {
         "target_forward_s": statistics.median(target_s),

@@ -224,26 +224,19 @@ class DistillLoss:
         return kl + self.text_weight * text
 
 
-def grow(
-    model: LlamaForCausalLM, extra_layers: int, cfg: TrainConfig, tokenizer: PreTrainedTokenizerFast
-) -> LlamaForCausalLM:
+def grow(model: LlamaForCausalLM, extra_layers: int) -> LlamaForCausalLM:
     """A deeper model computing the same function: each new layer is a copy of the last one with its
     two output projections zeroed, so it adds nothing to the residual stream until training moves them."""
-    shape = cfg.target
-    deeper = ModelShape(
-        shape.hidden_size,
-        shape.intermediate_size,
-        model.config.num_hidden_layers + extra_layers,
-        shape.num_attention_heads,
-    )
-    grown = build_model(deeper, cfg, tokenizer)
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers += extra_layers
+    grown = LlamaForCausalLM(config)
     missing, unexpected = grown.load_state_dict(model.state_dict(), strict=False)
     assert not unexpected and all(".layers." in key for key in missing), (missing, unexpected)
     for layer in grown.model.layers[model.config.num_hidden_layers :]:
         layer.load_state_dict(model.model.layers[-1].state_dict())
         torch.nn.init.zeros_(layer.self_attn.o_proj.weight)
         torch.nn.init.zeros_(layer.mlp.down_proj.weight)
-    probe = torch.randint(0, len(tokenizer), (1, 32), generator=torch.Generator().manual_seed(0))
+    probe = torch.randint(0, config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         model.eval()
         grown.eval()
@@ -319,9 +312,16 @@ def _tail_mean(losses: list[float]) -> float:
     return sum(tail) / len(tail)
 
 
+@dataclass
+class Stage1:
+    target: LlamaForCausalLM
+    draft: LlamaForCausalLM
+    losses: dict[str, float]  # final (last-50-step mean) loss of each
+
+
 def stage1(
     cfg: TrainConfig, tokenizer: PreTrainedTokenizerFast, stream: torch.Tensor, generator: torch.Generator
-) -> tuple[LlamaForCausalLM, LlamaForCausalLM, dict[str, float]]:
+) -> Stage1:
     target = build_model(cfg.target, cfg, tokenizer)
     target_losses = _optimise(
         target, cfg.target_steps, cfg.learning_rate, cfg, batches(stream, cfg, generator), next_token_loss, "target"
@@ -338,7 +338,7 @@ def stage1(
         "draft (distil)",
     )
     losses = {"target_final_loss": _tail_mean(target_losses), "draft_final_distill_loss": _tail_mean(draft_losses)}
-    return target, draft, losses
+    return Stage1(target, draft, losses)
 
 
 def distil_round(
@@ -354,7 +354,7 @@ def distil_round(
     """One round of stage 2 for the draft: fresh target continuations, then distillation on a mix of
     library text and those continuations. Seeded by the round's index, so a resumed run matches."""
     generator = torch.Generator().manual_seed(cfg.seed + 2 + index)
-    torch.manual_seed(cfg.seed + 2 + index)
+    torch.manual_seed(cfg.seed + 2 + index)  # generate() samples from the global generator
     prompts = generation_prompts(tokenizer, stream, train_files, cfg, generator)
     generated = target_generations(target, tokenizer, prompts, cfg)
     half = dataclasses.replace(cfg, batch_size=cfg.batch_size // 2)
@@ -405,10 +405,11 @@ def main(argv: list[str] | None = None) -> None:
             record["rounds"] = previous["rounds"]
             record["target_final_loss"] = previous["target_final_loss"]
     else:
-        target, draft, record["stage1"] = stage1(cfg, tokenizer, stream, torch.Generator().manual_seed(cfg.seed))
+        first = stage1(cfg, tokenizer, stream, torch.Generator().manual_seed(cfg.seed))
+        target, draft, record["stage1"] = first.target, first.draft, first.losses
 
     if args.resume is None:
-        target = grow(target, cfg.grown_layers, cfg, tokenizer)
+        target = grow(target, cfg.grown_layers)
         target_losses = _optimise(
             target,
             cfg.target_steps_2,

@@ -3,11 +3,11 @@
 A small draft runs one token per forward pass, and at that size the cost of a Hugging Face forward is
 mostly framework overhead (module calls, output dataclasses, mask construction), not arithmetic. This
 module computes the same function directly over the model's own weight tensors, with a preallocated
-KV cache whose rollback is moving a length, one matrix product for the query, key and value projections
-(and one for the gate and up projections), queries and keys rotated together, and one fused RMSNorm
-kernel in float32. At start-up `LeanDraft.attach` checks it against the
-model's own forward pass and declines when they disagree, so an unfamiliar architecture falls back
-to the ordinary path. Exactness never depends on it: the draft reports the rows it really sampled from.
+KV cache whose rollback is moving a length, one matrix product for the query, key and value
+projections (and one for the gate and up projections), queries and keys rotated together, and one
+fused RMSNorm kernel in float32. At start-up `LeanDraft.attach` checks it against the model's own
+forward pass and declines when they disagree, so an unfamiliar architecture falls back to the
+ordinary path. Exactness never depends on it: the draft reports the rows it really sampled from.
 """
 
 from __future__ import annotations
@@ -45,13 +45,10 @@ def _fuse(*projections: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | N
     """One weight (and bias) for projections of the same input, so a step runs one matrix product
     instead of several. The projections' own weights become views into it: nothing is stored twice,
     and the model's own forward computes what it did."""
-    weight = torch.cat([p.weight.detach() for p in projections])
-    has_bias = any(p.bias is not None for p in projections)
-    bias = (
-        torch.cat([p.bias.detach() if p.bias is not None else weight.new_zeros(p.out_features) for p in projections])
-        if has_bias
-        else None
-    )
+    weight = torch.cat([p.weight.detach() for p in projections])  # [sum of out_features, in_features]
+    bias = None  # [sum of out_features]; a projection without one contributes zeros
+    if any(p.bias is not None for p in projections):
+        bias = torch.cat([weight.new_zeros(p.out_features) if p.bias is None else p.bias.detach() for p in projections])
     start = 0
     for p in projections:
         rows = p.out_features
@@ -79,7 +76,8 @@ class LeanDraft:
         self.max_context = config.max_position_embeddings
         first = model.get_input_embeddings().weight
         self.device, self.dtype = first.device, first.dtype
-        # (weight, bias) of the fused query-key-value and gate-up projections, per layer.
+        # Per layer, (weight, bias) of the fused projections: query-key-value, weight
+        # [(heads + 2 * kv_heads) * head_dim, hidden]; gate-up, weight [2 * intermediate, hidden].
         self.qkv = [
             _fuse(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj) for layer in self.layers
         ]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -23,8 +21,8 @@ def tiny():
 
 
 def test_grow_adds_identity_layers_that_then_train(tiny):
-    cfg, tokenizer, model = tiny
-    grown = grow(model, 2, cfg, tokenizer)
+    _, tokenizer, model = tiny
+    grown = grow(model, 2)
     assert grown.config.num_hidden_layers == model.config.num_hidden_layers + 2
     ids = torch.tensor([tokenizer(TEXTS[0])["input_ids"]])
     with torch.no_grad():
@@ -40,7 +38,7 @@ def test_target_generations_form_one_stream_of_prompt_continuation_eos(tiny):
     cfg, tokenizer, model = tiny
     prompts = [tokenizer(t)["input_ids"] for t in ("def add(a, b):", "class", "x: int = 0\n", "def")]
     prompts += prompts[:2]
-    stream = target_generations(model, tokenizer, prompts, dataclasses.replace(cfg)).tolist()
+    stream = target_generations(model, tokenizer, prompts, cfg).tolist()
     eos = tokenizer.eos_token_id
     pieces: list[list[int]] = []
     current: list[int] = []
