@@ -19,7 +19,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import grpc
 import structlog
 
-from serving.errors import ServiceError, unavailable
+from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError, unavailable
 from serving.server import CHANNEL_OPTIONS
 from specdec.v1 import common_pb2
 
@@ -36,6 +36,18 @@ _RETRYABLE = {
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.DEADLINE_EXCEEDED,
 }
+
+
+def stream_lost(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a failed step lost its stream or replica (reopen and resend) rather than failed the request.
+
+    A replica that shuts down can reset its streams with an HTTP/2 error, and gRPC reports that as
+    INTERNAL ("Internal error from Core"). A handler's own INTERNAL, a server bug, carries the
+    handler prefix and is not retried.
+    """
+    if exc.code() in _RETRYABLE:
+        return True
+    return exc.code() == grpc.StatusCode.INTERNAL and not (exc.details() or "").startswith(HANDLER_INTERNAL_PREFIX)
 
 
 @dataclass
@@ -166,7 +178,7 @@ class SessionStream(Generic[RequestT, ResponseT]):
                 await self._call.write(request)
                 response = await self._call.read()
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _RETRYABLE:
+                if not stream_lost(exc):
                     raise ServiceError(exc.code(), f"{self.pool.name} service: {exc.details()}") from exc
                 last_error = f"{exc.code().name}: {exc.details()}"
                 response = None

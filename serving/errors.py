@@ -40,12 +40,16 @@ def unavailable(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.UNAVAILABLE, message)
 
 
+# Every INTERNAL a handler returns starts with this; an INTERNAL without it came from the gRPC stack.
+HANDLER_INTERNAL_PREFIX = "internal error in "
+
+
 def _status_of(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
     """Handlers raise ServiceError and never call context.abort themselves."""
     if isinstance(exc, ServiceError):
         return exc.code, exc.message
     log.exception("unhandled_error", method=method)
-    return grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"
+    return grpc.StatusCode.INTERNAL, f"{HANDLER_INTERNAL_PREFIX}{method}: {type(exc).__name__}: {exc}"
 
 
 class ErrorInterceptor(grpc.ServerInterceptor):
