@@ -89,11 +89,11 @@ def forward_seconds(model: LoadedModel, context: int, tokens: int, repeats: int 
 def lean_forward_seconds(lean: LeanDraft, model: LoadedModel, context: int, repeats: int = 200) -> float:
     """Median time of the draft service's lean one-token step."""
     generator = torch.Generator().manual_seed(0)
-    prefix, token = _random_ids(model, context, generator)[0].tolist(), _random_ids(model, 1, generator)[0].tolist()
+    prefix, step = _random_ids(model, context, generator)[0].tolist(), _random_ids(model, 1, generator)[0].tolist()
     with torch.inference_mode():
         cache = lean.new_cache()
         lean.forward(prefix, cache)
-        return _median_step_seconds(lambda: lean.forward(token, cache), lambda: cache.crop(-1), repeats)
+        return _median_step_seconds(lambda: lean.forward(step, cache), lambda: cache.crop(-1), repeats)
 
 
 def forward_costs(target: LoadedModel, draft: LoadedModel, repetitions: int = 7) -> dict[str, Any]:
@@ -227,8 +227,9 @@ def model_card(pair: Path, r: dict[str, Any], training: dict[str, Any]) -> str:
         f" fresh continuations of {cfg['generations']:,}",
         "  training-set prompts (function headers and text; greedy and temperature 0.8), then trains on batches",
         f"  of half library text and half those continuations: {rounds_text}.",
-        "- The shipped weights were trained in pieces (`--stage1`, then `--resume`); every piece is seeded, so a",
-        "  from-scratch `make models` follows the same recipe with the same seeds, though not bit for bit.",
+        "- The shipped weights were trained in pieces, each going on from the pair the last one saved",
+        "  (`--resume`); every piece is seeded, so a from-scratch `make models` follows the same recipe with the",
+        "  same seeds, though not bit for bit.",
         "",
         f"## Acceptance at K = 4 on {r['prompts']} held-out function headers, through the services",
         "",

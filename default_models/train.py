@@ -17,9 +17,10 @@ Stage 2:
 6. the draft is distilled again from the grown target, on a mix of library text and those
    continuations: the contexts a draft meets in service are the target's own output.
 
-It writes ordinary Hugging Face checkpoints (`target/`, `draft/`, each with the tokenizer files).
-`--stage1 DIR` starts stage 2 from a stage-1 pair saved in DIR instead of training stage 1 again;
-`--resume DIR` goes on from a stage-2 pair saved in DIR with the draft rounds its training.json lists.
+It writes ordinary Hugging Face checkpoints (`target/`, `draft/`, each with the tokenizer files) and
+`training.json`: after stage 1, after the grown target and after every draft round, so a run can
+stop anywhere: `--resume DIR` goes on from the pair saved in DIR, from the step its training.json
+says comes next.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import copy
 import dataclasses
 import json
 import math
+import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -62,7 +65,7 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Every knob of the recipe, with its default; `--scale` multiplies the model widths."""
+    """Every knob of the recipe, with its default."""
 
     vocab_size: int = 4096
     max_position_embeddings: int = 1024
@@ -370,45 +373,62 @@ def distil_round(
     return {"steps": steps, "generated_tokens": generated.numel(), "final_loss": _tail_mean(losses)}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("default_models/pair"))
-    resume = parser.add_mutually_exclusive_group()
-    resume.add_argument("--stage1", type=Path, help="a saved stage-1 pair to start stage 2 from")
-    resume.add_argument(
-        "--resume", type=Path, help="a saved stage-2 pair (its training.json lists the draft rounds done) to go on from"
-    )
-    parser.add_argument("--threads", type=int, default=TrainConfig.threads)
-    args = parser.parse_args(argv)
-    cfg = TrainConfig(threads=args.threads)
+def write_pair(
+    out: Path,
+    target: LlamaForCausalLM,
+    draft: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    record: dict[str, Any],
+) -> None:
+    """Both checkpoints and training.json, written in full beside OUT and then moved in, so a run that stops
+    part-way leaves OUT a loadable pair whose training.json says how far it got (what `--resume` reads)."""
+    record = {**record, "target_parameters": target.num_parameters(), "draft_parameters": draft.num_parameters()}
+    staging = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    save(target, tokenizer, staging / "target")
+    save(draft, tokenizer, staging / "draft")
+    (staging / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("target", "draft", "training.json"):  # the record last: it vouches for the weights
+        if (out / name).is_dir():
+            shutil.rmtree(out / name)
+        os.replace(staging / name, out / name)
+    staging.rmdir()
 
+
+def train(cfg: TrainConfig, out: Path, resume: Path | None = None) -> dict[str, Any]:
+    """Run the recipe into OUT, writing the pair after stage 1, after the grown target and after every
+    draft round; with `resume`, go on from the pair saved there. Returns training.json's record."""
+    done: dict[str, Any] = {}
+    if resume is not None:  # checked first: encoding the corpus takes a minute
+        done = json.loads((resume / "training.json").read_text())
+        if "stage1" not in done:
+            raise SystemExit(f"{resume}/training.json was not written by this recipe; train from scratch instead")
+        if "target_final_loss" in done and len(done["rounds"]) >= len(cfg.draft_rounds):
+            raise SystemExit(f"{resume} has finished every stage of the recipe; there is nothing to resume")
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     corpus = load_corpus()
     texts = [read_text(p) for p in corpus.train_files]
     print(f"corpus: {len(corpus.train_files)} training files, {len(corpus.held_out_files)} held out")
-
-    saved = args.stage1 or args.resume
-    record: dict[str, Any] = {"config": asdict(cfg), "rounds": []}
-    if saved is not None:
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(saved / "target")
+    if resume is not None:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(resume / "target")
     else:
         tokenizer = train_tokenizer(texts, cfg.vocab_size)
     stream = encode_corpus(tokenizer, texts)
     print(f"tokenizer: {len(tokenizer)} tokens; training stream: {stream.numel():,} tokens")
-    if saved is not None:
-        target = LlamaForCausalLM.from_pretrained(saved / "target", dtype=torch.float32)
-        draft = LlamaForCausalLM.from_pretrained(saved / "draft", dtype=torch.float32)
-        previous = json.loads((saved / "training.json").read_text())
-        record["stage1"] = previous["stage1"]
-        if args.resume is not None:
-            record["rounds"] = previous["rounds"]
-            record["target_final_loss"] = previous["target_final_loss"]
+    record: dict[str, Any] = {"config": asdict(cfg), "training_tokens": stream.numel(), "rounds": []}
+    record.update({key: done[key] for key in ("stage1", "target_final_loss", "rounds") if key in done})
+
+    if resume is not None:
+        target = LlamaForCausalLM.from_pretrained(resume / "target", dtype=torch.float32)
+        draft = LlamaForCausalLM.from_pretrained(resume / "draft", dtype=torch.float32)
     else:
         first = stage1(cfg, tokenizer, stream, torch.Generator().manual_seed(cfg.seed))
         target, draft, record["stage1"] = first.target, first.draft, first.losses
+        write_pair(out, target, draft, tokenizer, record)
 
-    if args.resume is None:
+    if "target_final_loss" not in record:
         target = grow(target, cfg.grown_layers)
         target_losses = _optimise(
             target,
@@ -420,18 +440,23 @@ def main(argv: list[str] | None = None) -> None:
             "target (grown)",
         )
         record["target_final_loss"] = _tail_mean(target_losses)
-    save(target, tokenizer, args.out / "target")
+        write_pair(out, target, draft, tokenizer, record)
     for index in range(len(record["rounds"]), len(cfg.draft_rounds)):
         steps = cfg.draft_rounds[index]
         record["rounds"].append(distil_round(index, steps, draft, target, tokenizer, stream, corpus.train_files, cfg))
-    save(draft, tokenizer, args.out / "draft")
+        write_pair(out, target, draft, tokenizer, record)
+    return record
 
-    record.update(
-        training_tokens=stream.numel(),
-        target_parameters=target.num_parameters(),
-        draft_parameters=draft.num_parameters(),
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("default_models/pair"))
+    parser.add_argument(
+        "--resume", type=Path, help="a pair this script saved part-way (its training.json says how far) to go on from"
     )
-    (args.out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    parser.add_argument("--threads", type=int, default=TrainConfig.threads)
+    args = parser.parse_args(argv)
+    record = train(TrainConfig(threads=args.threads), args.out, args.resume)
     print(json.dumps(record, indent=2))
 
 

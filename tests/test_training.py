@@ -1,10 +1,16 @@
-"""The default pair's training recipe: the growth step keeps the function, target generations are well formed."""
+"""The default pair's training recipe: the growth step keeps the function, target generations are well formed,
+and a run stopped part-way leaves a whole pair that `--resume` goes on from."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
+from default_models import train as recipe
+from default_models.corpus import Corpus
 from default_models.train import ModelShape, TrainConfig, build_model, grow, target_generations, train_tokenizer
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "class Point:\n    x: int = 0\n    y: int = 0\n"] * 20
@@ -59,3 +65,46 @@ def test_target_generations_form_one_stream_of_prompt_continuation_eos(tiny):
         )[0].tolist()
         alone = alone[: alone.index(eos, len(prompt))] if eos in alone[len(prompt) :] else alone
         assert piece == alone
+
+
+def test_a_run_stopped_mid_recipe_leaves_a_whole_pair_that_resume_finishes(tmp_path, monkeypatch):
+    source = tmp_path / "lib.py"
+    source.write_text(
+        "".join(f"def add_{i}(first_number, second_number):\n    return first_number + {i}\n" for i in range(40))
+    )
+    monkeypatch.setattr(recipe, "load_corpus", lambda: Corpus(train_files=[source], held_out_files=[]))
+    cfg = TrainConfig(
+        vocab_size=300, target=ModelShape(32, 64, 2, 2), draft=ModelShape(32, 64, 1, 2), seq_len=32, batch_size=4,
+        target_steps=2, draft_steps=2, warmup_steps=1, target_steps_2=2, generations=4, generation_tokens=4,
+        generation_batch=2, draft_rounds=(2, 2), threads=torch.get_num_threads(),
+    )  # fmt: skip
+    out = tmp_path / "pair"
+    real_round = recipe.distil_round
+
+    def round_that_dies_second(index: int, *args):
+        if index == 1:
+            raise KeyboardInterrupt  # the run is stopped during the second draft round
+        return real_round(index, *args)
+
+    monkeypatch.setattr(recipe, "distil_round", round_that_dies_second)
+    with pytest.raises(KeyboardInterrupt):
+        recipe.train(cfg, out)
+    saved = json.loads((out / "training.json").read_text())
+    assert len(saved["rounds"]) == 1 and "target_final_loss" in saved
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lib.py", "pair"]  # no staging folder left behind
+    target = AutoModelForCausalLM.from_pretrained(out / "target")
+    assert target.config.num_hidden_layers == 3  # the grown target was saved before the rounds began
+    assert target.num_parameters() == saved["target_parameters"]
+
+    monkeypatch.setattr(recipe, "distil_round", real_round)
+    record = recipe.train(cfg, out, resume=out)
+    assert [r["steps"] for r in record["rounds"]] == [2, 2]
+    assert record["rounds"][0] == saved["rounds"][0] and record["stage1"] == saved["stage1"]
+    assert record["target_final_loss"] == saved["target_final_loss"]  # the target was not trained again
+    written = json.loads((out / "training.json").read_text())
+    assert written == json.loads(json.dumps(record)) | {
+        "target_parameters": target.num_parameters(),
+        "draft_parameters": AutoModelForCausalLM.from_pretrained(out / "draft").num_parameters(),
+    }
+    with pytest.raises(SystemExit, match="nothing to resume"):
+        recipe.train(cfg, out, resume=out)
