@@ -2,7 +2,9 @@
 
 A session lives exactly as long as its gRPC stream. Its cache is soft state: expiry or eviction drops
 the cache but keeps the session, whose next step then answers CACHE_MISS so that the orchestrator
-reopens it with the full sequence.
+reopens it with the full sequence. A session in the middle of a step (from a successful `rollback`
+to its `record_length`) keeps its cache: the step is using it, and dropping it then would have the
+step compute on an empty cache as if its tokens started the sequence.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Session:
     cache: KVCache | None = None  # None until the first step, and after expiry or eviction
     length: int = 0  # tokens held in `cache`
     last_used: float = field(default=0.0)
+    stepping: bool = False  # between a successful rollback and record_length: the cache is in use
 
     @property
     def held(self) -> bool:
@@ -86,12 +89,12 @@ class SessionStore:
             if keep == 0:
                 session.cache = self._new_cache()
                 session.length = 0
-                return True
-            if session.cache is None or keep > session.length:
+            elif session.cache is None or keep > session.length:
                 return False
-            if keep < session.length:
+            elif keep < session.length:
                 session.cache.crop(keep - session.length)  # transformers 5: a negative count drops tokens
                 session.length = keep
+            session.stepping = True
             return True
 
     def reserve(self, session: Session, new_length: int) -> None:
@@ -109,15 +112,12 @@ class SessionStore:
         with self._lock:
             session.length = length
             session.last_used = self._clock()
+            session.stepping = False
 
     def evict_all(self) -> int:
-        """Drop every session's cache (their next steps answer CACHE_MISS); returns how many were held."""
+        """Drop every cache not in use by a step (those sessions' next steps answer CACHE_MISS); returns how many."""
         with self._lock:
-            held = [s for s in self._sessions.values() if s.held]
-            for session in held:
-                session.cache = None
-                session.length = 0
-            return len(held)
+            return self._drop_caches(lambda session: True)
 
     def expire_idle(self) -> int:
         with self._lock:
@@ -125,11 +125,14 @@ class SessionStore:
 
     def _expire_idle_locked(self) -> int:
         deadline = self._clock() - self.idle_timeout_s
-        expired = [s for s in self._sessions.values() if s.held and s.last_used < deadline]
-        for session in expired:
+        return self._drop_caches(lambda session: session.last_used < deadline)
+
+    def _drop_caches(self, chosen: Callable[[Session], bool]) -> int:
+        dropped = [s for s in self._sessions.values() if s.held and not s.stepping and chosen(s)]
+        for session in dropped:
             session.cache = None
             session.length = 0
-        return len(expired)
+        return len(dropped)
 
     @property
     def open_sessions(self) -> int:
