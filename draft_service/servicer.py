@@ -15,7 +15,7 @@ from model_host.logits import logits_to_probs
 from model_host.session_servicer import SessionServicer
 from model_host.sessions import KVCache, Session
 from serving.errors import invalid_argument
-from serving.sampling import SamplingParams
+from serving.sampling import SamplingParams, seeded_generator
 from serving.tensors import encode_prob_rows
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -84,7 +84,7 @@ class DraftServicer(
     def step(self, session: Session, request: draft_pb2.DraftRequest) -> tuple[draft_pb2.DraftResponse, int]:
         params = SamplingParams.from_proto(request.sampling)
         logits = self.feed(session, request.append_token_ids, 1)[-1]  # [vocab]
-        generator = torch.Generator(device=logits.device).manual_seed(request.seed)
+        generator = seeded_generator(request.seed, logits.device)
         draft_token_ids: list[int] = []
         draft_probs: list[torch.Tensor] = []  # k rows of [vocab]
         for position in range(request.num_speculative_tokens):

@@ -38,7 +38,7 @@ _HELP: dict[str, str] = {
     "max_sessions": "most sessions held at once (RESOURCE_EXHAUSTED beyond)",
     "max_cached_tokens": "most tokens cached over all sessions (RESOURCE_EXHAUSTED beyond)",
     "session_idle_timeout_s": "an idle session's cache is freed after this many seconds",
-    "max_speculative_tokens": "largest K a draft request may ask for",
+    "max_speculative_tokens": "largest K a step may ask for (draft tokens; a verify returns at most K + 1 rows)",
     "lean_draft": "draft service: run Llama-family drafts with the lean forward pass (checked at start-up)",
     "metrics_port": "Prometheus metrics port (0 disables)",
     "threads": "torch CPU threads (0 keeps torch's default)",

@@ -18,8 +18,10 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     scores = logits.float() / params.temperature  # [rows, vocab]
     vocab = scores.shape[-1]
     if 0 < params.top_k < vocab:
-        kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]  # [rows, 1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+        # Exactly the k most likely tokens; among tokens tied with the k-th, topk's order decides.
+        kept = torch.topk(scores, params.top_k, dim=-1).indices  # [rows, top_k]
+        keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, kept, True)
+        scores = scores.masked_fill(~keep, float("-inf"))
     if params.top_p < 1.0:
         sorted_scores, order = torch.sort(scores, dim=-1, descending=True)  # [rows, vocab]
         sorted_probs = sorted_scores.softmax(dim=-1)

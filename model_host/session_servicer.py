@@ -119,6 +119,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             max_sessions=self.config.max_sessions,
             max_cached_tokens=self.config.max_cached_tokens,
             open_sessions=self.store.open_sessions,
+            max_speculative_tokens=self.config.max_speculative_tokens,
         )
 
     def _check_common(self, request: RequestT) -> None:

@@ -28,6 +28,8 @@ class OrchestratorConfig:
     min_confidence: float = 0.0
     draft_timeout_s: float = 10.0
     draft_retry_after_s: float = 5.0
+    target_timeout_s: float = 60.0
+    request_timeout_s: float = 900.0
     target_attempts: int = 4
     target_backoff_s: float = 0.25
     startup_timeout_s: float = 120.0
@@ -52,6 +54,8 @@ _HELP: dict[str, str] = {
     "min_confidence": "the draft stops a block when its own token's probability is below this (0 never)",
     "draft_timeout_s": "a draft step slower than this falls back to the target alone for the round",
     "draft_retry_after_s": "seconds before an unavailable draft is tried again",
+    "target_timeout_s": "a slower target step fails the request with DEADLINE_EXCEEDED; the replica is avoided",
+    "request_timeout_s": "a Generate call running longer than this ends with DEADLINE_EXCEEDED",
     "target_attempts": "tries per target step before the request fails with UNAVAILABLE",
     "target_backoff_s": "first backoff between target tries (doubles each try)",
     "startup_timeout_s": "how long to wait for the services at start-up",

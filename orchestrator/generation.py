@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import grpc
 import structlog
 import torch
 
@@ -21,7 +22,7 @@ from orchestrator.k_policy import KPolicy
 from orchestrator.rejection import Verdict, verify_greedy, verify_sampled
 from orchestrator.upstream import SessionStream
 from serving.errors import ServiceError
-from serving.sampling import SamplingParams
+from serving.sampling import SamplingParams, seeded_generator
 from serving.tensors import WireFormatError, decode_prob_rows
 from specdec.v1 import draft_pb2, orchestrator_pb2, target_pb2
 
@@ -53,10 +54,13 @@ class ModelLimits:
     target_max_context: int
     draft_max_context: int
     eos_token_ids: frozenset[int]
+    draft_max_speculative_tokens: int = 16  # the draft service's cap on one step's K
 
 
 class DraftAvailability:
-    """Shared by all requests: after a draft failure, nobody drafts until `retry_after_s` has passed."""
+    """Shared by all requests: after a fault of the draft service itself (unreachable, too slow, a lost
+    stream, rows that are not distributions), nobody drafts until `retry_after_s` has passed. A
+    request's own errors never get here (the isolation rule: see `is_draft_fault`)."""
 
     def __init__(self, retry_after_s: float) -> None:
         self.retry_after_s = retry_after_s
@@ -68,6 +72,24 @@ class DraftAvailability:
 
     def failed(self) -> None:
         self._down_until = time.monotonic() + self.retry_after_s
+
+
+# Statuses from the draft that say the draft service itself is at fault. Everything else
+# (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION, ...) concerns this request or this moment.
+_DRAFT_FAULTS = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.DATA_LOSS,
+}
+
+
+def is_draft_fault(exc: BaseException) -> bool:
+    """Whether a failed draft step marks the draft unavailable for every request."""
+    if isinstance(exc, ServiceError):
+        return exc.code in _DRAFT_FAULTS
+    return isinstance(exc, TimeoutError | WireFormatError)
 
 
 @dataclass
@@ -137,7 +159,9 @@ class Draft:
         if k >= len(self.token_ids):
             return self
         probs = self.probs[:k] if self.probs is not None else None
-        return Draft(self.token_ids[:k], probs, self.forward_seconds, self.fed)
+        # The draft session fed every token of the block but its last; the dropped tail is not valid.
+        fed = self.fed - (len(self.token_ids) - k)
+        return Draft(self.token_ids[:k], probs, self.forward_seconds, fed)
 
     def rest(self) -> Draft:
         """All but the first token (which turned out to be the bonus token); costs nothing more."""
@@ -163,6 +187,7 @@ class Generation:
         availability: DraftAvailability,
         policy: KPolicy,
         draft_timeout_s: float,
+        target_timeout_s: float = 60.0,
     ) -> None:
         self.request = request
         self.limits = limits
@@ -171,8 +196,10 @@ class Generation:
         self.availability = availability
         self.policy = policy
         self.draft_timeout_s = draft_timeout_s
+        self.target_timeout_s = target_timeout_s
         self.sequence = list(request.prompt_token_ids)
-        self.generator = torch.Generator().manual_seed(request.seed)
+        self.generator = seeded_generator(request.seed)
+        self.drafting_refused = False  # the draft refused this request's steps: no more drafting for it
         self.sampling_proto = request.sampling.to_proto()  # the same for every round
         self.stats = Stats(prompt_tokens=len(self.sequence))
         self.finish_reason: int = orchestrator_pb2.FINISH_REASON_UNSPECIFIED
@@ -229,6 +256,7 @@ class Generation:
             self.policy.next_k(),
             self.request.max_new_tokens - (produced + len(draft.token_ids) + 1) - 1,
             self.limits.target_max_context - after - 1,
+            self.limits.draft_max_speculative_tokens - 1,  # the step drafts next_k + 1 tokens
         )
         return next_k + 1 if next_k >= 1 else 0
 
@@ -252,13 +280,14 @@ class Generation:
 
     def _round_k(self, produced: int) -> int:
         """This round's K: the policy's choice, capped so no round overshoots a limit."""
-        if self.draft is None or not self.availability.usable:
+        if self.draft is None or self.drafting_refused or not self.availability.usable:
             return 0
         n = len(self.sequence)
         return max(
             0,
             min(
                 self.policy.next_k(),
+                self.limits.draft_max_speculative_tokens,
                 self.request.max_new_tokens - produced - 1,  # a round outputs at most k + 1 tokens
                 self.limits.target_max_context - n - 1,
                 self.limits.draft_max_context - n,
@@ -296,8 +325,12 @@ class Generation:
             if not 1 <= len(token_ids) <= k or (probs is not None and probs.shape[0] != len(token_ids)):
                 raise WireFormatError(f"draft returned {len(token_ids)} tokens for k = {k}")
         except (ServiceError, TimeoutError, WireFormatError) as exc:
-            log.warning("draft_unavailable", error=str(exc) or type(exc).__name__)
-            self.availability.failed()
+            fault = is_draft_fault(exc)
+            log.warning("draft_step_failed", error=str(exc) or type(exc).__name__, draft_fault=fault)
+            if fault:
+                self.availability.failed()
+            elif isinstance(exc, ServiceError) and exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self.drafting_refused = True  # this request's own problem: it alone stops drafting
             self.stats.draft_fallback_rounds += 1
             draft.reset()
             return NO_DRAFT
@@ -310,22 +343,33 @@ class Generation:
         sequence = self.sequence
         rows = len(draft.token_ids) + 1
         sampling = self.sampling_proto
-        response = await self.target.step(
-            lambda keep: target_pb2.VerifyRequest(
-                request_id=self.request.request_id,
-                keep=keep,
-                append_token_ids=[*sequence[keep:], *draft.token_ids],
-                num_rows=rows,
-                sampling=sampling,
-            )
-        )
+        try:
+            async with asyncio.timeout(self.target_timeout_s):
+                response = await self.target.step(
+                    lambda keep: target_pb2.VerifyRequest(
+                        request_id=self.request.request_id,
+                        keep=keep,
+                        append_token_ids=[*sequence[keep:], *draft.token_ids],
+                        num_rows=rows,
+                        sampling=sampling,
+                    )
+                )
+        except TimeoutError as exc:
+            self.target.reset()  # the replica is avoided for a while
+            raise ServiceError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the target did not answer a step within {self.target_timeout_s:g} s (--target-timeout-s)",
+            ) from exc
         target_seconds = response.timing.forward_seconds
         self.stats.target_seconds += target_seconds
         draft_ids = torch.tensor(draft.token_ids, dtype=torch.long)  # [k]
         if self.request.sampling.greedy:
             argmax = torch.tensor(list(response.argmax_token_ids), dtype=torch.long)  # [k + 1]
             return verify_greedy(draft_ids, argmax), target_seconds
-        target_probs = decode_prob_rows(response.target_probs, self.limits.vocab_size)  # [k + 1, vocab]
+        try:
+            target_probs = decode_prob_rows(response.target_probs, self.limits.vocab_size)  # [k + 1, vocab]
+        except WireFormatError as exc:
+            raise ServiceError(grpc.StatusCode.INTERNAL, f"the target replica sent unusable rows: {exc}") from exc
         draft_probs = draft.probs if draft.probs is not None else torch.empty(0, self.limits.vocab_size)
         return verify_sampled(draft_ids, draft_probs, target_probs, self.generator), target_seconds
 

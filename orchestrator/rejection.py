@@ -70,9 +70,11 @@ def verify_sampled(
     ids = draft_token_ids.long()
     target_of_draft = target_probs[positions, ids]  # [k] p(x)
     draft_of_draft = draft_probs[positions, ids]  # [k] q(x) > 0: each x was sampled from q
-    uniform = torch.rand(k, generator=generator, dtype=torch.float32)  # [k]
+    # float64: a float32 uniform is a multiple of 2^-24, which would accept any p/q below that with
+    # probability 2^-24 instead of p/q.
+    uniform = torch.rand(k, generator=generator, dtype=torch.float64)  # [k]
     # u < p/q, written without a division; accepts with probability min(1, p/q).
-    accepted = uniform * draft_of_draft < target_of_draft  # [k] bool
+    accepted = uniform * draft_of_draft.double() < target_of_draft.double()  # [k] bool
     rejected = (~accepted).nonzero()
     num_accepted = int(rejected[0, 0]) if rejected.numel() else k
     if num_accepted < k:

@@ -42,7 +42,21 @@ _POLICY_BY_ENUM = {
 }
 _ENUM_BY_POLICY = {name: value for value, name in _POLICY_BY_ENUM.items()}
 _MAX_STOP_STRINGS = 16
+_MAX_STOP_CHARS = 256
+_MAX_REQUEST_ID_CHARS = 128
+# A prompt's text may be at most this many characters per token of the target's context: any text
+# that could fit is far shorter, and a longer one is refused before it costs a tokenizer pass.
+_MAX_PROMPT_CHARS_PER_TOKEN = 64
 _INFO_POLL_S = 0.5
+
+
+def check_request_id(request_id: str) -> None:
+    """A request id travels in gRPC metadata and logs: printable ASCII, at most 128 characters."""
+    if len(request_id) > _MAX_REQUEST_ID_CHARS or not all(" " <= c <= "~" for c in request_id):
+        raise invalid_argument(
+            f"request_id must be at most {_MAX_REQUEST_ID_CHARS} printable ASCII characters (no control or "
+            "non-ASCII characters)"
+        )
 
 
 class PairMismatch(Exception):
@@ -185,10 +199,18 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     # --- Generate ------------------------------------------------------------------------------
 
-    def _prompt_ids(self, request: orchestrator_pb2.GenerateRequest) -> list[int]:
+    async def _prompt_ids(self, request: orchestrator_pb2.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt")
+        context = self.target_info.max_context
         if which == "text":
-            ids = list(self.tokenizer(request.text)["input_ids"]) if request.text else []
+            most = context * _MAX_PROMPT_CHARS_PER_TOKEN
+            if len(request.text) > most:
+                raise invalid_argument(
+                    f"the prompt text has {len(request.text)} characters; at most {most} are accepted for a "
+                    f"context of {context} tokens"
+                )
+            # Tokenizing is CPU work: off the event loop, so other streams keep moving.
+            ids = list((await asyncio.to_thread(self.tokenizer, request.text))["input_ids"]) if request.text else []
         elif which == "token_ids":
             ids = list(request.token_ids.ids)
             vocab = self.target_info.vocab_size
@@ -199,7 +221,6 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             ids = []
         if not ids:
             raise invalid_argument("the prompt is empty: set `text` or `token_ids` to at least one token")
-        context = self.target_info.max_context
         if len(ids) >= context:
             raise invalid_argument(
                 f"the prompt has {len(ids)} tokens but the target model's context is {context}; "
@@ -207,10 +228,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             )
         return ids
 
-    def validate(self, request: orchestrator_pb2.GenerateRequest) -> tuple[GenerationRequest, str]:
-        """A GenerationRequest and the policy name, or INVALID_ARGUMENT naming the field and range."""
+    async def validate(self, request: orchestrator_pb2.GenerateRequest) -> tuple[GenerationRequest, str]:
+        """A GenerationRequest and the policy name, or INVALID_ARGUMENT naming the field and range.
+
+        Everything a request can get wrong is checked here, before any service sees it."""
         cfg = self.config
-        prompt = self._prompt_ids(request)
+        check_request_id(request.request_id)
+        prompt = await self._prompt_ids(request)
         if not 1 <= request.max_new_tokens <= cfg.max_new_tokens_cap:
             raise invalid_argument(
                 f"max_new_tokens must be in [1, {cfg.max_new_tokens_cap}]; got {request.max_new_tokens}"
@@ -234,9 +258,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 f"speculation_policy {request.speculation_policy} is unknown; use one of {', '.join(POLICIES)}"
             )
         policy = _POLICY_BY_ENUM.get(request.speculation_policy, cfg.speculation_policy)
-        if len(request.stop) > _MAX_STOP_STRINGS or any(not s for s in request.stop):
-            raise invalid_argument(f"stop takes at most {_MAX_STOP_STRINGS} non-empty strings")
-        seed = request.seed if request.HasField("seed") else random.getrandbits(63)
+        if len(request.stop) > _MAX_STOP_STRINGS or any(not 0 < len(s) <= _MAX_STOP_CHARS for s in request.stop):
+            raise invalid_argument(
+                f"stop takes at most {_MAX_STOP_STRINGS} non-empty strings of at most {_MAX_STOP_CHARS} characters"
+            )
+        seed = request.seed if request.HasField("seed") else random.getrandbits(64)
         overlap = request.overlap_drafting if request.HasField("overlap_drafting") else cfg.overlap_drafting
         request_id = request.request_id or uuid.uuid4().hex
         generation_request = GenerationRequest(
@@ -258,6 +284,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             target_max_context=self.target_info.max_context,
             draft_max_context=draft_context,
             eos_token_ids=frozenset(self.target_info.eos_token_ids),
+            # A draft too old to report its cap is held to the orchestrator's own.
+            draft_max_speculative_tokens=(
+                self.draft.info.max_speculative_tokens or self.config.max_speculative_tokens
+                if self.draft and self.draft.info
+                else 0
+            ),
         )
 
     def _generation(self, request: GenerationRequest, policy: str) -> Generation:
@@ -282,6 +314,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             self.availability,
             make_policy(policy, request.num_speculative_tokens, cfg.max_speculative_tokens),
             cfg.draft_timeout_s,
+            cfg.target_timeout_s,
         )
 
     async def Generate(
@@ -292,7 +325,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 f"the orchestrator is serving its maximum of {self.config.max_concurrent_requests} requests; "
                 "retry later or add orchestrator replicas"
             )
-        generation_request, policy = self.validate(request)
+        generation_request, policy = await self.validate(request)
         generation = self._generation(generation_request, policy)
         text = TextStream(self.tokenizer, list(request.stop))
         finish: int = orchestrator_pb2.FINISH_REASON_UNSPECIFIED
@@ -301,8 +334,15 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         metrics.REQUESTS_RUNNING.inc()
         structlog.contextvars.bind_contextvars(request_id=generation_request.request_id)
         first = True
+        deadline = time.monotonic() + self.config.request_timeout_s
         try:
             async for tokens in generation.rounds():
+                if time.monotonic() > deadline:
+                    raise ServiceError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"the generation ran past the server's limit of {self.config.request_timeout_s:g} s "
+                        "(--request-timeout-s); ask for fewer tokens",
+                    )
                 delta = text.push(tokens)
                 streamed += len(delta.token_ids)
                 if delta.stopped:

@@ -170,6 +170,7 @@ class SessionStream(Generic[RequestT, ResponseT]):
             raise unavailable(f"the {self.pool.name} session of request {self.request_id} is closed")
         backoff = self.backoff_s
         last_error = ""
+        replica_fault = True
         for attempt in range(self.attempts + 1):  # one more for a cache miss on a healthy replica
             if self._call is None:
                 self._open()
@@ -181,6 +182,8 @@ class SessionStream(Generic[RequestT, ResponseT]):
                 if not stream_lost(exc):
                     raise ServiceError(exc.code(), f"{self.pool.name} service: {exc.details()}") from exc
                 last_error = f"{exc.code().name}: {exc.details()}"
+                # A cancelled stream (the service closed it for idleness, or drained) is not a sick replica.
+                replica_fault = exc.code() != grpc.StatusCode.CANCELLED
                 response = None
             except asyncio.InvalidStateError:
                 # The stream ended between two steps (replica stopped, drained or restarted).
@@ -189,7 +192,7 @@ class SessionStream(Generic[RequestT, ResponseT]):
             if response is None or response is grpc.aio.EOF:
                 last_error = last_error or "the stream ended"
                 log.warning("session_lost", service=self.pool.name, replica=self._address, error=last_error)
-                self._drop(failed=True)
+                self._drop(failed=replica_fault)
                 if attempt < self.attempts:
                     await asyncio.sleep(backoff * (0.5 + random.random()))
                     backoff *= 2

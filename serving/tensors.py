@@ -63,11 +63,31 @@ def encode_prob_rows(probs: torch.Tensor) -> common_pb2.ProbRows:
     return common_pb2.ProbRows(probs=tensor_to_proto(values), token_ids=tensor_to_proto(token_ids.to(torch.int32)))
 
 
+# How far a row's sum may be from 1: float32 softmax rows over 256k tokens stay well within this.
+_ROW_SUM_TOLERANCE = 1e-3
+
+
+def check_distribution_rows(values: torch.Tensor) -> None:
+    """Raise WireFormatError unless every row is finite, non-negative and sums to 1. values: [rows, width]"""
+    if values.numel() == 0:
+        return
+    if not bool(torch.isfinite(values).all()):
+        raise WireFormatError("probability rows hold a value that is not finite")
+    if bool((values < 0).any()):
+        raise WireFormatError("probability rows hold a negative value")
+    sums = values.double().sum(dim=-1)  # [rows]
+    worst = float((sums - 1.0).abs().max())
+    if worst > _ROW_SUM_TOLERANCE:
+        raise WireFormatError(f"probability rows must sum to 1; one is off by {worst:.3g}")
+
+
 def decode_prob_rows(message: common_pb2.ProbRows, vocab_size: int) -> torch.Tensor:
-    """Dense [rows, vocab_size] float32 rows from either encoding."""
+    """Dense [rows, vocab_size] float32 rows from either encoding, checked to be distributions (a
+    misbehaving replica's rows are refused, never sampled)."""
     values = tensor_from_proto(message.probs)
     if values.dim() != 2:
         raise WireFormatError(f"probability rows must be 2-D, got shape {list(values.shape)}")
+    check_distribution_rows(values)
     if not message.HasField("token_ids"):
         if values.shape[1] != vocab_size:
             raise WireFormatError(f"dense rows have width {values.shape[1]}, vocabulary is {vocab_size}")

@@ -29,10 +29,11 @@ class TargetServicer(
         return self.serve_session(request_iterator, context)
 
     def check_step(self, request: target_pb2.VerifyRequest) -> None:
-        appended = len(request.append_token_ids)
-        if not 1 <= request.num_rows <= appended:
+        most = min(len(request.append_token_ids), self.config.max_speculative_tokens + 1)
+        if not 1 <= request.num_rows <= most:
             raise invalid_argument(
-                f"num_rows must be in [1, len(append_token_ids) = {appended}]; got {request.num_rows}"
+                f"num_rows must be in [1, min(len(append_token_ids), --max-speculative-tokens + 1) = {most}]; "
+                f"got {request.num_rows}"
             )
         SamplingParams.from_proto(request.sampling)
 

@@ -57,3 +57,27 @@ def test_bad_params_name_the_field(params: SamplingParams, field: str):
     with pytest.raises(ServiceError) as error:
         params.validated()
     assert field in error.value.message
+
+
+def test_top_k_keeps_exactly_k_among_ties():
+    probs = logits_to_probs(torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.0]]), SamplingParams(temperature=1.0, top_k=2))
+    assert int((probs > 0).sum()) == 2
+
+
+def test_tiny_temperature_is_greedy_and_extremes_stay_finite():
+    assert SamplingParams(temperature=1e-40).validated().greedy
+    assert not SamplingParams(temperature=1e-5).greedy
+    logits = torch.tensor([[3e4, -3e4, 0.0]])
+    for temperature in (1e-5, 100.0):
+        probs = logits_to_probs(logits, SamplingParams(temperature=temperature))
+        assert torch.isfinite(probs).all() and torch.isclose(probs.sum(), torch.tensor(1.0))
+
+
+def test_every_bit_of_the_seed_counts():
+    from serving.sampling import seeded_generator
+
+    draws = {
+        tuple(torch.rand(4, generator=seeded_generator(seed)).tolist()) for seed in (1, 1 + (1 << 32), 1 + (1 << 63))
+    }
+    assert len(draws) == 3
+    assert torch.equal(torch.rand(4, generator=seeded_generator(7)), torch.rand(4, generator=seeded_generator(7)))

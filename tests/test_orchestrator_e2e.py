@@ -90,7 +90,7 @@ def test_lost_sessions_mid_generation_do_not_change_output(target_model, close_d
         (_ids([1, 500], max_new_tokens=5), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
         (_ids([1], max_new_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens must be in [1, 4096]"),
         (_ids([1], max_new_tokens=5000), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
-        (_ids([1], max_new_tokens=5, temperature=-0.5), grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0"),
+        (_ids([1], max_new_tokens=5, temperature=-0.5), grpc.StatusCode.INVALID_ARGUMENT, "temperature must be in"),
         (
             _ids([1], max_new_tokens=5, temperature=1, top_p=0),
             grpc.StatusCode.INVALID_ARGUMENT,

@@ -25,7 +25,7 @@ from draft_service.servicer import choose_token
 from model_host.logits import logits_to_probs
 from orchestrator.generation import DraftAvailability, Generation, GenerationRequest, ModelLimits
 from orchestrator.k_policy import FixedK
-from serving.sampling import SamplingParams
+from serving.sampling import SamplingParams, seeded_generator
 from serving.tensors import encode_prob_rows
 from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2, target_pb2
 from tests.conftest import collect
@@ -87,7 +87,7 @@ class TableDraft(TableTarget):
         request = build(self.fed)
         sequence = self.seen[: request.keep] + list(request.append_token_ids)
         params = SamplingParams.from_proto(request.sampling)
-        generator = torch.Generator().manual_seed(request.seed)
+        generator = seeded_generator(request.seed)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for _ in range(request.num_speculative_tokens):
