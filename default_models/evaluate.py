@@ -31,6 +31,7 @@ from transformers import DynamicCache
 from default_models.corpus import HELD_OUT_MODULES, load_corpus, read_text
 from default_models.prompts import held_out_prompts
 from draft_service.lean import LeanDraft
+from model_host.kv_slots import Row, SlotStore
 from model_host.loading import LoadedModel, load_model
 from orchestrator.client import generate
 from orchestrator.local_stack import LocalStack
@@ -91,15 +92,18 @@ def lean_forward_seconds(lean: LeanDraft, model: LoadedModel, context: int, repe
     generator = torch.Generator().manual_seed(0)
     prefix, step = _random_ids(model, context, generator)[0].tolist(), _random_ids(model, 1, generator)[0].tolist()
     with torch.inference_mode():
-        cache = lean.new_cache()
-        lean.forward(prefix, cache)
-        return _median_step_seconds(lambda: lean.forward(step, cache), lambda: cache.crop(-1), repeats)
+        lean([Row(slot=0, start=0, token_ids=prefix, num_logits=1)])
+        # The slot store's rollback is the next step's start: every step feeds the same position.
+        return _median_step_seconds(
+            lambda: lean([Row(slot=0, start=context, token_ids=step, num_logits=1)]), lambda: None, repeats
+        )
 
 
 def forward_costs(target: LoadedModel, draft: LoadedModel, repetitions: int = 7) -> dict[str, Any]:
     """Target (K + 1 = 5 tokens) and draft (1 token) forward times, measured in turn `repetitions` times
     so that a shared machine's drift hits both alike: medians, and the ratio's median and range."""
-    lean = LeanDraft.attach(draft.model)  # what the draft service runs, when it can
+    # What the draft service runs, when it can.
+    lean = LeanDraft.attach(draft.model, SlotStore(draft.input_device, draft.dtype, draft.max_context))
     target_s, draft_hf_s, draft_s = [], [], []
     for _ in range(repetitions):
         target_s.append(forward_seconds(target, context=128, tokens=5))

@@ -2,17 +2,16 @@
 
 A small draft runs one token per forward pass, and at that size the cost of a Hugging Face forward is
 mostly framework overhead (module calls, output dataclasses, mask construction), not arithmetic. This
-module computes the same function directly over the model's own weight tensors, with a preallocated
-KV cache whose rollback is moving a length, one matrix product for the query, key and value
-projections (and one for the gate and up projections), queries and keys rotated together, and one
-fused RMSNorm kernel in float32. At start-up `LeanDraft.attach` checks it against the model's own
-forward pass and declines when they disagree, so an unfamiliar architecture falls back to the
-ordinary path. Exactness never depends on it: the draft reports the rows it really sampled from.
+module computes the same function directly over the model's own weight tensors, for a batch of
+sessions at once over the service's resident slot store (model_host/kv_slots.py, where rollback is
+moving a length), with one matrix product for the query, key and value projections (and one for the
+gate and up projections), queries and keys rotated together, and one fused RMSNorm kernel in float32.
+At start-up `LeanDraft.attach` checks it against the model's own forward pass and declines when they
+disagree, so an unfamiliar architecture falls back to the ordinary path. Exactness never depends on
+it: the draft reports the rows it really sampled from.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import structlog
 import torch
@@ -20,25 +19,12 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
+from model_host.forward import Forward, RowLogits, agrees_with_model, split_logits
+from model_host.kv_slots import BatchView, Row, SlotStore
+
 log = structlog.get_logger(__name__)
 
 SUPPORTED = {"llama", "mistral", "qwen2"}
-_GROWTH = 256  # cache capacity grows in steps of this many tokens
-
-
-@dataclass
-class LeanCache:
-    """Keys and values of one session: [layers, 2, kv_heads, capacity, head_dim], plus a length."""
-
-    data: torch.Tensor
-    length: int = 0
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last -tokens_to_remove tokens (the DynamicCache convention)."""
-        self.length = max(0, self.length + min(0, tokens_to_remove))
 
 
 def _fuse(*projections: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -59,12 +45,15 @@ def _fuse(*projections: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | N
     return weight, bias
 
 
-class LeanDraft:
-    """The lean forward over a loaded Llama-family model."""
+class LeanDraft(Forward):
+    """The lean forward over a loaded Llama-family model, batched over sessions."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    name = "lean"
+
+    def __init__(self, model: PreTrainedModel, store: SlotStore) -> None:
         config = model.config
         self.model = model
+        self.store = store
         self.layers = model.model.layers
         self.rotary = model.model.rotary_emb
         self.num_heads = config.num_attention_heads
@@ -73,9 +62,6 @@ class LeanDraft:
         self.scaling = self.head_dim**-0.5
         self.eps = config.rms_norm_eps
         self.act = ACT2FN[config.hidden_act]
-        self.max_context = config.max_position_embeddings
-        first = model.get_input_embeddings().weight
-        self.device, self.dtype = first.device, first.dtype
         # Per layer, (weight, bias) of the fused projections: query-key-value, weight
         # [(heads + 2 * kv_heads) * head_dim, hidden]; gate-up, weight [2 * intermediate, hidden].
         self.qkv = [
@@ -84,7 +70,7 @@ class LeanDraft:
         self.gate_up = [_fuse(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in self.layers]
 
     @classmethod
-    def attach(cls, model: PreTrainedModel) -> LeanDraft | None:
+    def attach(cls, model: PreTrainedModel, store: SlotStore) -> LeanDraft | None:
         """A LeanDraft when the architecture is supported and matches the model's own forward."""
         config = model.config
         if config.model_type not in SUPPORTED:
@@ -93,9 +79,9 @@ class LeanDraft:
             return None
         if len({str(p.device) for p in model.parameters()}) > 1:
             return None  # spread over devices by device_map="auto": keep the model's own forward
-        lean = cls(model)
+        lean = cls(model, store)
         try:
-            agree = lean.self_check()
+            agree = agrees_with_model(lean, model, tolerance=1e-3)
         except (RuntimeError, AttributeError, TypeError) as exc:
             log.warning("lean_draft_unavailable", reason=str(exc))
             return None
@@ -103,20 +89,6 @@ class LeanDraft:
             log.warning("lean_draft_unavailable", reason="differs from the model's own forward")
             return None
         return lean
-
-    def new_cache(self) -> LeanCache:
-        shape = (len(self.layers), 2, self.num_kv_heads, _GROWTH, self.head_dim)
-        return LeanCache(torch.empty(shape, dtype=self.dtype, device=self.device))
-
-    def _reserve(self, cache: LeanCache, length: int) -> None:
-        capacity = cache.data.shape[3]
-        if length > capacity:
-            grown = min(self.max_context, max(length, capacity * 2) + _GROWTH - 1) // _GROWTH * _GROWTH
-            data = torch.empty(
-                (*cache.data.shape[:3], max(grown, length), self.head_dim), dtype=self.dtype, device=self.device
-            )
-            data[:, :, :, : cache.length] = cache.data[:, :, :, : cache.length]
-            cache.data = data
 
     def _rms_norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if hidden.dtype == torch.float32:
@@ -131,59 +103,31 @@ class LeanDraft:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    def forward(self, token_ids: list[int], cache: LeanCache) -> torch.Tensor:
-        """Feed tokens after the cache's contents; the logits of the last one. [vocab]"""
-        start, count = cache.length, len(token_ids)
-        end = start + count
-        self._reserve(cache, end)
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        hidden = self.model.model.embed_tokens(ids)  # [1, T, hidden]
-        positions = torch.arange(start, end, device=self.device)[None]
-        cos, sin = self.rotary(hidden, positions)  # [1, T, head_dim] each
+    def __call__(self, rows: list[Row]) -> RowLogits:
+        """Feed each row's tokens after its cached ones; the logits of each row's last num_logits tokens."""
+        view = BatchView(self.store, rows)
+        batch, width = len(rows), view.width
+        hidden = self.model.model.embed_tokens(view.input_ids(rows))  # [B, T, hidden]
+        cos, sin = self.rotary(hidden, view.position_ids)  # [B, T, head_dim] each
         cos, sin = cos[:, None], sin[:, None]
-        mask = None
-        if count > 1:
-            mask = torch.arange(end, device=self.device)[None] <= positions[0][:, None]  # [T, end]
         heads, kv_heads = self.num_heads, self.num_kv_heads
         for index, layer in enumerate(self.layers):
             x = self._rms_norm(hidden, layer.input_layernorm.weight)
-            qkv = F.linear(x, *self.qkv[index]).view(1, count, heads + 2 * kv_heads, self.head_dim).transpose(1, 2)
+            qkv = F.linear(x, *self.qkv[index]).view(batch, width, heads + 2 * kv_heads, self.head_dim).transpose(1, 2)
             qk = self._rotate(qkv[:, : heads + kv_heads], cos, sin)  # queries and keys rotate together
-            cache.data[index, 0, :, start:end] = qk[0, heads:]
-            cache.data[index, 1, :, start:end] = qkv[0, heads + kv_heads :]
+            keys, values = view.update(qk[:, heads:], qkv[:, heads + kv_heads :], index)
             out = F.scaled_dot_product_attention(
-                qk[:, :heads],
-                cache.data[index, 0, :, :end][None],
-                cache.data[index, 1, :, :end][None],
-                attn_mask=mask,
-                scale=self.scaling,
-                enable_gqa=kv_heads != heads,
+                qk[:, :heads], keys, values, attn_mask=view.mask, scale=self.scaling, enable_gqa=kv_heads != heads
             )
-            out = out.transpose(1, 2).reshape(1, count, heads * self.head_dim)
+            out = out.transpose(1, 2).reshape(batch, width, heads * self.head_dim)
             attn = layer.self_attn
             hidden = hidden + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
             x = self._rms_norm(hidden, layer.post_attention_layernorm.weight)
             gate, up = F.linear(x, *self.gate_up[index]).chunk(2, dim=-1)
             mlp = layer.mlp
             hidden = hidden + F.linear(self.act(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
-        cache.length = end
-        last = self._rms_norm(hidden[:, -1], self.model.model.norm.weight)
+        kept = max(1, max(row.num_logits for row in rows))
+        last = self._rms_norm(hidden[:, -kept:], self.model.model.norm.weight)  # [B, kept, hidden]
         head = self.model.get_output_embeddings()
-        return F.linear(last, head.weight, getattr(head, "bias", None))[0]
-
-    @torch.inference_mode()
-    def self_check(self, tolerance: float = 1e-3) -> bool:
-        """Prefill, single steps and a rollback give the model's own logits (relative tolerance)."""
-        generator = torch.Generator().manual_seed(0)
-        vocab = self.model.get_output_embeddings().weight.shape[0]
-        ids = torch.randint(0, vocab, (12,), generator=generator).tolist()
-        reference = self.model(torch.tensor([ids], device=self.device)).logits[0].float()  # [12, vocab]
-        cache = self.new_cache()
-        rows = [self.forward(ids[:8], cache)]
-        rows += [self.forward([token], cache) for token in ids[8:10]]
-        cache.crop(-2)
-        rows += [self.forward(ids[8:12], cache)]
-        got = torch.stack(rows).float()
-        want = reference[[7, 8, 9, 11]]
-        scale = want.abs().max().clamp_min(1.0)
-        return bool(((got - want).abs().max() / scale) < tolerance)
+        logits = F.linear(last, head.weight, getattr(head, "bias", None))  # [B, kept, vocab]
+        return split_logits(logits, rows)

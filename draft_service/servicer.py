@@ -1,19 +1,22 @@
-"""DraftService: crop to `keep`, feed the new tokens, draft up to K tokens autoregressively."""
+"""DraftService: crop to `keep`, feed the new tokens, draft up to K tokens autoregressively (one per
+engine iteration, batched with every other drafting session)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
 import torch
 
-from draft_service.lean import LeanCache, LeanDraft
+from draft_service.lean import LeanDraft
 from model_host.config import ModelServiceConfig
+from model_host.engine import Job
+from model_host.forward import Forward
 from model_host.loading import LoadedModel
 from model_host.logits import logits_to_probs
 from model_host.session_servicer import SessionServicer
-from model_host.sessions import KVCache, Session
 from serving.errors import invalid_argument
 from serving.sampling import SamplingParams, seeded_generator
 from serving.tensors import encode_prob_rows
@@ -40,6 +43,29 @@ def choose_token(
     return token, probs, float(probs[token])
 
 
+@dataclass(eq=False)
+class DraftJob(Job):
+    """Feed the new tokens, then draft: each engine iteration samples one token and feeds it back,
+    until K tokens (the last is never fed) or the draft's confidence falls below min_confidence."""
+
+    params: SamplingParams = field(default_factory=SamplingParams)
+    num_speculative_tokens: int = 1
+    min_confidence: float = 0.0
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(default_factory=list)  # [k] drafted so far
+    rows: list[torch.Tensor] = field(default_factory=list)  # k rows of [vocab]; sampling only
+
+    def advance(self, logits: torch.Tensor) -> list[int] | None:
+        assert self.generator is not None
+        token, probs, confidence = choose_token(logits[-1], self.params, self.generator, self.min_confidence > 0)
+        self.token_ids.append(token)
+        if probs is not None:
+            self.rows.append(probs)
+        if len(self.token_ids) == self.num_speculative_tokens or confidence < self.min_confidence:
+            return None
+        return [token]
+
+
 class DraftServicer(
     SessionServicer[draft_pb2.DraftRequest, draft_pb2.DraftResponse], draft_pb2_grpc.DraftServiceServicer
 ):
@@ -47,18 +73,14 @@ class DraftServicer(
     response_type = draft_pb2.DraftResponse
 
     def __init__(self, loaded: LoadedModel, config: ModelServiceConfig) -> None:
-        self.lean = LeanDraft.attach(loaded.model) if config.lean_draft else None
-        log.info("draft_forward", lean=self.lean is not None)
+        self.lean: LeanDraft | None = None
         super().__init__(loaded, config)
 
-    def new_cache(self) -> KVCache:
-        return self.lean.new_cache() if self.lean else super().new_cache()
-
-    def forward(self, session: Session, token_ids: Sequence[int], rows: int) -> torch.Tensor:
-        if self.lean is None or rows != 1:
-            return super().forward(session, token_ids, rows)
-        assert isinstance(session.cache, LeanCache)
-        return self.lean.forward(list(token_ids), session.cache)[None]
+    def make_forward(self) -> Forward:
+        if self.config.lean_draft:
+            self.lean = LeanDraft.attach(self.loaded.model, self.slot_store)
+        log.info("draft_forward", lean=self.lean is not None)
+        return self.lean or super().make_forward()
 
     def Draft(
         self, request_iterator: Iterator[draft_pb2.DraftRequest], context: grpc.ServicerContext
@@ -81,28 +103,26 @@ class DraftServicer(
             raise invalid_argument(f"min_confidence must be in [0, 1]; got {request.min_confidence}")
         SamplingParams.from_proto(request.sampling)
 
-    def step(self, session: Session, request: draft_pb2.DraftRequest) -> tuple[draft_pb2.DraftResponse, int]:
-        params = SamplingParams.from_proto(request.sampling)
-        logits = self.feed(session, request.append_token_ids, 1)[-1]  # [vocab]
-        generator = seeded_generator(request.seed, logits.device)
-        draft_token_ids: list[int] = []
-        draft_probs: list[torch.Tensor] = []  # k rows of [vocab]
-        for position in range(request.num_speculative_tokens):
-            token, probs, confidence = choose_token(logits, params, generator, request.min_confidence > 0)
-            if probs is not None:
-                draft_probs.append(probs)
-            draft_token_ids.append(token)
-            last = position == request.num_speculative_tokens - 1
-            if last or confidence < request.min_confidence:
-                break
-            logits = self.feed(session, [token], 1)[-1]
-        response = draft_pb2.DraftResponse(result=common_pb2.SESSION_RESULT_OK, draft_token_ids=draft_token_ids)
-        if draft_probs:
-            response.draft_probs.CopyFrom(encode_prob_rows(torch.stack(draft_probs)))
-        # The last draft token was sampled but never fed.
-        length = request.keep + len(request.append_token_ids) + len(draft_token_ids) - 1
-        response.cached_tokens = length
-        return response, length
+    def make_job(self, slot: int, request: draft_pb2.DraftRequest) -> Job:
+        return DraftJob(
+            slot,
+            request.keep,
+            list(request.append_token_ids),
+            num_logits=1,
+            params=SamplingParams.from_proto(request.sampling),
+            num_speculative_tokens=request.num_speculative_tokens,
+            min_confidence=request.min_confidence,
+            generator=seeded_generator(request.seed, self.loaded.input_device),
+        )
+
+    def respond(self, job: Job, request: draft_pb2.DraftRequest) -> draft_pb2.DraftResponse:
+        assert isinstance(job, DraftJob)
+        response = draft_pb2.DraftResponse(
+            result=common_pb2.SESSION_RESULT_OK, draft_token_ids=job.token_ids, cached_tokens=job.start
+        )
+        if job.rows:
+            response.draft_probs.CopyFrom(encode_prob_rows(torch.stack(job.rows)))
+        return response
 
 
 def register(servicer: DraftServicer, server: grpc.Server) -> None:

@@ -22,6 +22,10 @@ class ModelServiceConfig:
     max_cached_tokens: int = 262_144
     session_idle_timeout_s: float = 300.0
     max_speculative_tokens: int = 16
+    max_batch_size: int = 32
+    max_batch_tokens: int = 2048
+    prefill_chunk_tokens: int = 512
+    max_queue_wait_s: float = 30.0
     lean_draft: bool = True
     metrics_port: int = 0
     threads: int = 0
@@ -39,6 +43,10 @@ _HELP: dict[str, str] = {
     "max_cached_tokens": "most tokens cached over all sessions (RESOURCE_EXHAUSTED beyond)",
     "session_idle_timeout_s": "an idle session's cache is freed after this many seconds",
     "max_speculative_tokens": "largest K a step may ask for (draft tokens; a verify returns at most K + 1 rows)",
+    "max_batch_size": "most sessions (rows) in one batched forward pass",
+    "max_batch_tokens": "most tokens fed in one engine iteration, over all rows",
+    "prefill_chunk_tokens": "a longer prompt is prefilled in chunks of this many tokens, so decoding keeps moving",
+    "max_queue_wait_s": "a step not started within this many seconds is refused as busy (RESOURCE_EXHAUSTED)",
     "lean_draft": "draft service: run Llama-family drafts with the lean forward pass (checked at start-up)",
     "metrics_port": "Prometheus metrics port (0 disables)",
     "threads": "torch CPU threads (0 keeps torch's default)",
@@ -54,4 +62,10 @@ def parse_model_service_config(prog: str, argv: Sequence[str] | None = None) -> 
     config = ModelServiceConfig(**vars(args))
     if not config.model:
         parser.error("--model is required (a local checkpoint folder or a hub id), or set SPECDEC_MODEL")
+    positive = ("max_sessions", "max_cached_tokens", "max_speculative_tokens", "max_batch_size", "prefill_chunk_tokens")
+    for name in positive:
+        if getattr(config, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if config.max_batch_tokens < config.prefill_chunk_tokens:
+        parser.error("--max-batch-tokens must be at least --prefill-chunk-tokens")
     return config

@@ -13,3 +13,18 @@ FORWARD_SECONDS = Histogram(
 )
 STEPS = Counter("specdec:session_steps", "Session steps by result (ok, cache_miss)", ["service", "result"])
 FED_TOKENS = Counter("specdec:fed_tokens", "Tokens fed to the model (prefill and verification)", ["service"])
+
+_BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+BATCH_SIZE = Histogram(
+    "specdec:batch_size", "Sessions (rows) in one engine forward", ["service"], buckets=_BATCH_BUCKETS
+)
+BATCH_TOKENS = Histogram(
+    "specdec:batch_tokens", "Tokens fed in one engine forward, over all rows", ["service"], buckets=_TOKEN_BUCKETS
+)
+ENGINE_FORWARD_SECONDS = Histogram(
+    "specdec:engine_forward_seconds", "Duration of one batched forward", ["service"], buckets=_LATENCY_BUCKETS
+)
+QUEUE_SECONDS = Histogram(
+    "specdec:queue_wait_seconds", "Time a step waited before its first forward", ["service"], buckets=_LATENCY_BUCKETS
+)

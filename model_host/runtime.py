@@ -41,10 +41,12 @@ class ModelServer:
         orchestrator reopens them elsewhere); then the server stops."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
+        self.servicer.stop()
         self._stopped.set()
 
     def stop(self) -> None:
         self.server.stop(None).wait()
+        self.servicer.stop()
         self._stopped.set()
 
     def wait(self) -> None:
@@ -81,8 +83,9 @@ def _start_expiry(model_server: ModelServer, idle_timeout_s: float) -> None:
     def expire() -> None:
         while not model_server._stopped.wait(interval):
             expired = model_server.servicer.store.expire_idle()
-            if expired:
-                log.info("sessions_expired", count=expired)
+            closed = model_server.servicer.close_idle_streams(idle_timeout_s)
+            if expired or closed:
+                log.info("sessions_expired", count=expired, idle_streams_closed=closed)
 
     threading.Thread(target=expire, name="session-expiry", daemon=True).start()
 

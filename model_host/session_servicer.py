@@ -1,7 +1,9 @@
-"""The session stream both model services run: validate, roll back to `keep`, feed, answer.
+"""The session stream both model services run: validate, roll back to `keep`, submit the step to the
+engine, answer.
 
-Subclasses implement `step` (one forward pass for the target, a K-token loop for the draft) and the
-conversion of their own request and response messages.
+Subclasses say what a step is (`make_job`: the target feeds its block and keeps the rows' logits; the
+draft feeds its new tokens and then one drafted token per engine iteration) and how its response
+reads (`respond`).
 """
 
 from __future__ import annotations
@@ -11,17 +13,20 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from concurrent.futures import CancelledError
+from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 import grpc
 import structlog
-import torch
-from transformers import DynamicCache
 
 from model_host.config import ModelServiceConfig
+from model_host.engine import Engine, EngineLimits, Job
+from model_host.forward import Forward, choose_forward
+from model_host.kv_slots import SlotStore
 from model_host.loading import LoadedModel
 from model_host.metrics import CACHED_TOKENS, FED_TOKENS, FORWARD_SECONDS, OPEN_SESSIONS, STEPS
-from model_host.sessions import KVCache, Session, SessionStore
+from model_host.sessions import Session, SessionStore
 from serving.errors import invalid_argument
 from specdec.v1 import common_pb2
 
@@ -52,8 +57,31 @@ def request_id_from(context: grpc.ServicerContext) -> str:
     return ""
 
 
+@dataclass(eq=False)
+class SlotLease:
+    """A session's engine slot; released once when its cache is dropped."""
+
+    slot: int
+    engine: Engine
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.engine.slots.release(self.slot)
+
+
+@dataclass(eq=False)
+class _Stream:
+    """An open session stream, for idle closing."""
+
+    context: grpc.ServicerContext
+    last_active: float
+    job: Job | None = None  # the step in the engine now
+
+
 class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
-    """Runs session streams over one model; forward passes are serialised by a lock."""
+    """Runs session streams over one model; the engine batches their steps."""
 
     role: str = "model"
     response_type: type[ResponseT]  # the service's response message (has `result` and `timing`)
@@ -61,10 +89,21 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
     def __init__(self, loaded: LoadedModel, config: ModelServiceConfig) -> None:
         self.loaded = loaded
         self.config = config
+        self.slot_store = SlotStore(loaded.input_device, loaded.dtype, loaded.max_context)
+        forward = self.make_forward()
+        log.info("engine_forward", forward=forward.name, role=self.role)
+        limits = EngineLimits(
+            max_batch_size=config.max_batch_size,
+            max_batch_tokens=config.max_batch_tokens,
+            prefill_chunk_tokens=config.prefill_chunk_tokens,
+            max_queue_wait_s=config.max_queue_wait_s,
+        )
+        self.engine = Engine(forward, limits, self.role)
         self.store = SessionStore(
             self.new_cache, config.max_sessions, config.max_cached_tokens, config.session_idle_timeout_s
         )
-        self._model_lock = threading.Lock()
+        self._streams: dict[int, _Stream] = {}
+        self._streams_lock = threading.Lock()
 
     # --- what subclasses provide -------------------------------------------------------------
 
@@ -73,8 +112,16 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         """Raise INVALID_ARGUMENT for a malformed request (token ids are checked here already)."""
 
     @abc.abstractmethod
-    def step(self, session: Session, request: RequestT) -> tuple[ResponseT, int]:
-        """Run the model on a rolled-back session; returns the response and the new cached length."""
+    def make_job(self, slot: int, request: RequestT) -> Job:
+        """The engine job for a step on a session rolled back to request.keep."""
+
+    @abc.abstractmethod
+    def respond(self, job: Job, request: RequestT) -> ResponseT:
+        """The response to a finished job (`job.start` is the session's new cached length)."""
+
+    def make_forward(self) -> Forward:
+        """The batched forward pass of this service's model (or its serial fallback)."""
+        return choose_forward(self.loaded.model, self.slot_store)
 
     def cache_miss(self) -> ResponseT:
         """The response that says: resend with keep = 0 and the full sequence."""
@@ -86,20 +133,9 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
 
     # --- shared machinery --------------------------------------------------------------------
 
-    def new_cache(self) -> KVCache:
-        """An empty KV cache for a new or reopened session."""
-        return DynamicCache(config=self.loaded.model.config)  # type: ignore[no-any-return]
-
-    def feed(self, session: Session, token_ids: Sequence[int], rows: int) -> torch.Tensor:
-        """Feed tokens through the model on the session's cache; logits of the last `rows`. [rows, vocab]"""
-        FED_TOKENS.labels(self.role).inc(len(token_ids))
-        return self.forward(session, token_ids, rows)
-
-    def forward(self, session: Session, token_ids: Sequence[int], rows: int) -> torch.Tensor:
-        """The model's own forward pass. [rows, vocab]"""
-        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.loaded.input_device)
-        output = self.loaded.model(input_ids=input_ids, cache=session.cache, use_cache=True, logits_to_keep=rows)
-        return output.logits[0, -rows:]
+    def new_cache(self) -> SlotLease:
+        """A slot for a new or reopened session."""
+        return SlotLease(self.engine.slots.lease(), self.engine)
 
     def GetModelInfo(
         self, request: common_pb2.GetModelInfoRequest, context: grpc.ServicerContext
@@ -107,7 +143,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         return self.model_info()
 
     def model_info(self) -> common_pb2.ModelInfo:
-        loaded = self.loaded
+        loaded, config = self.loaded, self.config
         return common_pb2.ModelInfo(
             model=loaded.model_id,
             vocab_size=loaded.vocab_size,
@@ -116,10 +152,14 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             eos_token_ids=list(loaded.eos_token_ids),
             device=loaded.device_name,
             dtype=str(loaded.dtype).removeprefix("torch."),
-            max_sessions=self.config.max_sessions,
-            max_cached_tokens=self.config.max_cached_tokens,
+            max_sessions=config.max_sessions,
+            max_cached_tokens=config.max_cached_tokens,
             open_sessions=self.store.open_sessions,
-            max_speculative_tokens=self.config.max_speculative_tokens,
+            max_speculative_tokens=config.max_speculative_tokens,
+            max_batch_size=config.max_batch_size,
+            max_batch_tokens=config.max_batch_tokens,
+            prefill_chunk_tokens=config.prefill_chunk_tokens,
+            batched=self.engine.forward.batched,
         )
 
     def _check_common(self, request: RequestT) -> None:
@@ -137,41 +177,89 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         self.check_step(request)
 
     def serve_session(self, requests: Iterator[RequestT], context: grpc.ServicerContext) -> Iterator[ResponseT]:
-        """One stream, one session: its cache is freed when the stream ends, however it ends."""
-        session = self.store.open(request_id_from(context) or uuid.uuid4().hex)
-        context.add_callback(lambda: self._close(session))
-        self._publish_gauges()
-        bound = structlog.contextvars.bind_contextvars(request_id=session.request_id, session=session.session_id)
+        """One stream, one session, opened by its first message; the session's cache is freed when the
+        stream ends, however it ends."""
+        stream = _Stream(context, time.monotonic())
+        with self._streams_lock:
+            self._streams[id(stream)] = stream
+        session: Session | None = None
         steps = misses = 0
+
+        def on_end() -> None:
+            if stream.job is not None:
+                stream.job.future.cancel()  # still queued: it never runs
+            if session is not None:
+                self._close(session)
+
+        context.add_callback(on_end)
+        bound = structlog.contextvars.bind_contextvars(request_id=request_id_from(context))
         try:
             for request in requests:
                 steps += 1
                 started = time.perf_counter()
+                stream.last_active = time.monotonic()
                 self._check_common(request)
-                if request.request_id and session.request_id != request.request_id:
-                    session.request_id = request.request_id
+                if session is None:
+                    session = self.store.open(request_id_from(context) or request.request_id or uuid.uuid4().hex)
+                    structlog.contextvars.bind_contextvars(session=session.session_id)
+                    self._publish_gauges()
                 if not self.store.rollback(session, request.keep):
                     STEPS.labels(self.role, "cache_miss").inc()
                     misses += 1
                     log.info("cache_miss", keep=request.keep, held=session.length)
                     yield self.cache_miss()
                     continue
-                self.store.reserve(session, self.tokens_fed_by(request))
-                with self._model_lock, torch.inference_mode():
-                    forward_started = time.perf_counter()
-                    response, length = self.step(session, request)
-                    forward_seconds = time.perf_counter() - forward_started
-                self.store.record_length(session, length)
-                self._publish_gauges()
-                FORWARD_SECONDS.labels(self.role).observe(forward_seconds)
-                STEPS.labels(self.role, "ok").inc()
-                response.timing.forward_seconds = forward_seconds  # type: ignore[attr-defined]
+                response = self._step(session, stream, request)
                 response.timing.service_seconds = time.perf_counter() - started  # type: ignore[attr-defined]
+                stream.last_active = time.monotonic()
                 yield response
+        except CancelledError:
+            pass  # the client went away while its step waited
         finally:
-            log.info("session_closed", steps=steps, cache_misses=misses, cached_tokens=session.length)
-            self._close(session)
+            with self._streams_lock:
+                self._streams.pop(id(stream), None)
+            if session is not None:
+                log.info("session_closed", steps=steps, cache_misses=misses, cached_tokens=session.length)
+                self._close(session)
             structlog.contextvars.reset_contextvars(**bound)
+            structlog.contextvars.unbind_contextvars("session")
+
+    def _step(self, session: Session, stream: _Stream, request: RequestT) -> ResponseT:
+        assert session.cache is not None
+        try:
+            self.store.reserve(session, self.tokens_fed_by(request))
+            stream.job = self.make_job(session.cache.slot, request)
+            job = self.engine.submit(stream.job).result()
+        except BaseException:
+            self.store.step_failed(session)
+            raise
+        finally:
+            stream.job = None
+        self.store.record_length(session, job.start)
+        self._publish_gauges()
+        FED_TOKENS.labels(self.role).inc(len(request.append_token_ids))
+        FORWARD_SECONDS.labels(self.role).observe(job.forward_seconds)
+        STEPS.labels(self.role, "ok").inc()
+        response = self.respond(job, request)
+        timing = response.timing  # type: ignore[attr-defined]
+        timing.forward_seconds = job.forward_seconds
+        timing.queue_seconds = max(0.0, job.queue_seconds)
+        timing.batch_size = job.batch_size
+        timing.batch_tokens = job.batch_tokens
+        return response
+
+    def close_idle_streams(self, idle_timeout_s: float) -> int:
+        """Cancel streams that sent nothing for `idle_timeout_s` and have no step under way: a silent
+        client must not hold a session, a worker thread or capacity forever. Returns how many."""
+        deadline = time.monotonic() - idle_timeout_s
+        with self._streams_lock:
+            idle = [s for s in self._streams.values() if s.job is None and s.last_active < deadline]
+        for stream in idle:
+            stream.context.cancel()
+        return len(idle)
+
+    def stop(self) -> None:
+        self.engine.stop()
 
     def _close(self, session: Session) -> None:
         self.store.close(session)

@@ -20,9 +20,13 @@ from serving.errors import resource_exhausted
 
 
 class KVCache(Protocol):
-    """What the store needs of a cache: Hugging Face's DynamicCache, or the draft's lean cache."""
+    """What the store needs of a session's cache: a lease on an engine slot (model_host/engine.py).
+    Rollback needs nothing of it: the next step simply starts at the kept length."""
 
-    def crop(self, tokens_to_remove: int) -> None: ...  # a negative count of tokens to drop
+    @property
+    def slot(self) -> int: ...
+
+    def release(self) -> None: ...  # the slot may be reused
 
 
 @dataclass
@@ -35,6 +39,7 @@ class Session:
     length: int = 0  # tokens held in `cache`
     last_used: float = field(default=0.0)
     stepping: bool = False  # between a successful rollback and record_length: the cache is in use
+    reserved: int = 0  # tokens reserved for the step under way (its length once it ends)
 
     @property
     def held(self) -> bool:
@@ -79,40 +84,49 @@ class SessionStore:
         """Free the session's cache at once; safe to call twice."""
         with self._lock:
             self._sessions.pop(session.session_id, None)
-            session.cache = None
-            session.length = 0
+            _drop(session)
 
     def rollback(self, session: Session, keep: int) -> bool:
         """Crop the cache to its first `keep` tokens. False (a cache miss) when it holds fewer."""
         with self._lock:
             session.last_used = self._clock()
             if keep == 0:
+                _drop(session)
                 session.cache = self._new_cache()
-                session.length = 0
             elif session.cache is None or keep > session.length:
                 return False
-            elif keep < session.length:
-                session.cache.crop(keep - session.length)  # transformers 5: a negative count drops tokens
-                session.length = keep
+            session.length = keep
             session.stepping = True
             return True
 
     def reserve(self, session: Session, new_length: int) -> None:
-        """Check that growing this session to `new_length` tokens stays within the token budget."""
+        """Reserve room for this session to grow to `new_length` tokens, or raise RESOURCE_EXHAUSTED.
+
+        Atomic: concurrent steps each see the others' reservations, so together they never exceed the
+        budget."""
         with self._lock:
-            others = sum(s.length for s in self._sessions.values() if s is not session)
+            others = sum(max(s.length, s.reserved) for s in self._sessions.values() if s is not session)
             if others + new_length > self.max_cached_tokens:
                 raise resource_exhausted(
                     f"caching {new_length} tokens for this session would exceed the service's budget of "
                     f"{self.max_cached_tokens} tokens ({others} held by other sessions); retry later, add "
                     "replicas, or raise --max-cached-tokens"
                 )
+            session.reserved = new_length
 
     def record_length(self, session: Session, length: int) -> None:
         with self._lock:
             session.length = length
             session.last_used = self._clock()
             session.stepping = False
+            session.reserved = 0
+
+    def step_failed(self, session: Session) -> None:
+        """The step under way failed: its reservation ends and its cache cannot be trusted."""
+        with self._lock:
+            session.stepping = False
+            session.reserved = 0
+            _drop(session)
 
     def evict_all(self) -> int:
         """Drop every cache not in use by a step (those sessions' next steps answer CACHE_MISS); returns how many."""
@@ -130,8 +144,7 @@ class SessionStore:
     def _drop_caches(self, chosen: Callable[[Session], bool]) -> int:
         dropped = [s for s in self._sessions.values() if s.held and not s.stepping and chosen(s)]
         for session in dropped:
-            session.cache = None
-            session.length = 0
+            _drop(session)
         return len(dropped)
 
     @property
@@ -143,3 +156,11 @@ class SessionStore:
     def cached_tokens(self) -> int:
         with self._lock:
             return sum(s.length for s in self._sessions.values())
+
+
+def _drop(session: Session) -> None:
+    """Give the session's slot back; its next step is a cache miss unless it starts over (keep = 0)."""
+    if session.cache is not None:
+        session.cache.release()
+    session.cache = None
+    session.length = 0

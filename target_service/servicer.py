@@ -3,18 +3,31 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import grpc
+import torch
 
+from model_host.engine import Job
 from model_host.logits import logits_to_probs
 from model_host.session_servicer import SessionServicer
-from model_host.sessions import Session
 from serving.errors import invalid_argument
 from serving.sampling import SamplingParams
 from serving.tensors import encode_prob_rows
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 
 SERVICE_NAME = "specdec.v1.TargetService"
+
+
+@dataclass(eq=False)
+class VerifyJob(Job):
+    """Feed the block; keep the logits of its last num_logits positions."""
+
+    logits: torch.Tensor | None = None  # [num_rows, vocab]
+
+    def advance(self, logits: torch.Tensor) -> list[int] | None:
+        self.logits = logits
+        return None
 
 
 class TargetServicer(
@@ -37,17 +50,18 @@ class TargetServicer(
             )
         SamplingParams.from_proto(request.sampling)
 
-    def step(self, session: Session, request: target_pb2.VerifyRequest) -> tuple[target_pb2.VerifyResponse, int]:
+    def make_job(self, slot: int, request: target_pb2.VerifyRequest) -> Job:
+        return VerifyJob(slot, request.keep, list(request.append_token_ids), request.num_rows)
+
+    def respond(self, job: Job, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
+        assert isinstance(job, VerifyJob) and job.logits is not None
         params = SamplingParams.from_proto(request.sampling)
-        logits = self.feed(session, request.append_token_ids, request.num_rows)  # [num_rows, vocab]
-        response = target_pb2.VerifyResponse(result=common_pb2.SESSION_RESULT_OK)
+        response = target_pb2.VerifyResponse(result=common_pb2.SESSION_RESULT_OK, cached_tokens=job.start)
         if params.greedy:
-            response.argmax_token_ids.extend(logits.argmax(dim=-1).tolist())
+            response.argmax_token_ids.extend(job.logits.argmax(dim=-1).tolist())
         else:
-            response.target_probs.CopyFrom(encode_prob_rows(logits_to_probs(logits, params)))
-        length = request.keep + len(request.append_token_ids)
-        response.cached_tokens = length
-        return response, length
+            response.target_probs.CopyFrom(encode_prob_rows(logits_to_probs(job.logits, params)))
+        return response
 
 
 def register(servicer: TargetServicer, server: grpc.Server) -> None:

@@ -1,4 +1,5 @@
-"""The draft's lean forward pass computes the model's own function, through prefill, steps and rollback."""
+"""The draft's lean forward pass computes the model's own function, batched over sessions, through
+prefill, steps and rollback."""
 
 from __future__ import annotations
 
@@ -10,39 +11,47 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 from draft_service.lean import LeanDraft
 from draft_service.servicer import DraftServicer
 from model_host.config import ModelServiceConfig
+from model_host.kv_slots import Row, SlotStore
 from tests.tiny_models import tiny_llama
 
 
-def test_matches_hugging_face_forward_under_random_rollbacks():
+def _store(model) -> SlotStore:
+    return SlotStore(torch.device("cpu"), torch.float32, model.config.max_position_embeddings)
+
+
+def test_matches_hugging_face_forward_under_random_rollbacks_in_batches():
     model = tiny_llama(96, seed=4, hidden=48, layers=3)  # grouped-query attention: 4 heads, 2 kv heads
-    lean = LeanDraft.attach(model)
+    lean = LeanDraft.attach(model, _store(model))
     assert lean is not None
     rng = random.Random(0)
-    cache = lean.new_cache()
-    sequence: list[int] = []
+    sequences: list[list[int]] = [[], [], []]
     with torch.inference_mode():
-        for _ in range(40):
-            keep = rng.randrange(0, len(sequence) + 1)
-            cache.crop(keep - cache.length)
-            sequence = sequence[:keep]
-            new = [rng.randrange(96) for _ in range(rng.choice([1, 1, 2, 5]))]
-            got = lean.forward(new, cache)
-            sequence += new
-            want = model(torch.tensor([sequence])).logits[0, -1]
-            assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
-        assert cache.length == len(sequence)
+        for _ in range(30):
+            rows = []
+            chosen = rng.sample(range(3), rng.randrange(1, 4))  # a changing subset of sessions, any slot order
+            for slot in chosen:
+                sequence = sequences[slot]
+                del sequence[rng.randrange(0, len(sequence) + 1) :]
+                new = [rng.randrange(96) for _ in range(rng.choice([1, 1, 2, 5]))]
+                rows.append(Row(slot=slot, start=len(sequence), token_ids=new, num_logits=1))
+                sequence += new
+            for row, got in zip(rows, lean(rows), strict=True):
+                want = model(torch.tensor([sequences[row.slot]])).logits[0, -1]
+                assert got is not None
+                assert torch.allclose(got[0], want, atol=1e-4), (got[0] - want).abs().max()
 
 
-def test_cache_grows_past_its_first_allocation():
+def test_storage_grows_past_its_first_allocation():
     model = tiny_llama(64, seed=5, max_context=1024)
-    lean = LeanDraft.attach(model)
+    store = _store(model)
+    lean = LeanDraft.attach(model, store)
     assert lean is not None
-    cache = lean.new_cache()
-    ids = list(range(1, 64)) * 8  # 504 tokens: past the first 256-token block
+    ids = list(range(1, 64)) * 8  # 504 tokens: past the first 256 positions
     with torch.inference_mode():
-        got = lean.forward(ids, cache)
+        got = lean([Row(slot=5, start=0, token_ids=ids, num_logits=1)])[0]
         want = model(torch.tensor([ids])).logits[0, -1]
-    assert torch.allclose(got, want, atol=1e-4)
+    assert got is not None and torch.allclose(got[0], want, atol=1e-4)
+    assert store.capacity > 504 and store.slots > 5
 
 
 def test_fused_projections_keep_biases_and_the_models_own_forward():
@@ -59,19 +68,26 @@ def test_fused_projections_keep_biases_and_the_models_own_forward():
     ids = torch.randint(0, 80, (1, 20))
     with torch.inference_mode():
         before = model(ids).logits[0]
-        lean = LeanDraft.attach(model)
+        lean = LeanDraft.attach(model, _store(model))
         assert lean is not None
         assert torch.equal(model(ids).logits[0], before)
-        cache = lean.new_cache()
-        got = torch.stack([lean.forward(ids[0, :12].tolist(), cache), lean.forward(ids[0, 12:].tolist(), cache)])
-    assert torch.allclose(got, before[[11, 19]], atol=1e-4)
+        first = lean([Row(slot=0, start=0, token_ids=ids[0, :12].tolist(), num_logits=1)])[0]
+        second = lean([Row(slot=0, start=12, token_ids=ids[0, 12:].tolist(), num_logits=1)])[0]
+    assert first is not None and second is not None
+    assert torch.allclose(torch.cat([first, second]), before[[11, 19]], atol=1e-4)
 
 
 def test_unsupported_architectures_keep_the_ordinary_forward():
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=1, n_head=2)).eval()
-    assert LeanDraft.attach(gpt2) is None
+    assert LeanDraft.attach(gpt2, _store(gpt2)) is None
 
 
 def test_draft_service_uses_it_and_can_be_told_not_to(close_draft_model):
-    assert DraftServicer(close_draft_model, ModelServiceConfig(model="x")).lean is not None
-    assert DraftServicer(close_draft_model, ModelServiceConfig(model="x", lean_draft=False)).lean is None
+    with_lean = DraftServicer(close_draft_model, ModelServiceConfig(model="x"))
+    without = DraftServicer(close_draft_model, ModelServiceConfig(model="x", lean_draft=False))
+    try:
+        assert with_lean.lean is not None and with_lean.engine.forward is with_lean.lean
+        assert without.lean is None and without.engine.forward.name == "batched"
+    finally:
+        with_lean.stop()
+        without.stop()

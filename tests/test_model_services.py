@@ -200,15 +200,21 @@ def test_session_and_token_limits_leave_other_sessions_running(target_model):
         server.stop()
 
 
-def test_idle_session_expires_and_costs_one_prefill(target_model):
+def test_idle_stream_is_closed_and_frees_its_session(target_model):
+    """A silent client holds nothing for long: its cache expires and its stream is cancelled."""
     server = start_target(target_model, session_idle_timeout_s=0.3)
     try:
         with _channel(server) as channel:
             session = RawSession(target_pb2_grpc.TargetServiceStub(channel).Verify)
             assert session.step(target_pb2.VerifyRequest(keep=0, append_token_ids=[1, 2], num_rows=1)).result == OK
-            assert wait_until(lambda: server.servicer.store.cached_tokens == 0, timeout_s=5)
-            assert session.step(target_pb2.VerifyRequest(keep=2, append_token_ids=[3], num_rows=1)).result == MISS
-            session.close()
+            assert wait_until(lambda: server.servicer.store.open_sessions == 0, timeout_s=5)
+            with pytest.raises(grpc.RpcError) as error:
+                session.step(target_pb2.VerifyRequest(keep=2, append_token_ids=[3], num_rows=1))
+            assert error.value.code() == grpc.StatusCode.CANCELLED
+            silent = RawSession(target_pb2_grpc.TargetServiceStub(channel).Verify)  # never sends a step
+            assert wait_until(lambda: len(server.servicer._streams) == 1, timeout_s=5)
+            assert wait_until(lambda: not server.servicer._streams, timeout_s=5)
+            silent.close()
     finally:
         server.stop()
 

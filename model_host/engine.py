@@ -1,0 +1,229 @@
+"""The engine of a model service: one thread owns the model; every iteration runs one forward pass over
+every session step that is ready (continuous batching).
+
+gRPC handlers `submit` a `Job` and wait on its future. A job feeds its tokens (a long prompt in chunks
+of `prefill_chunk_tokens`, so that it does not stall everyone's decoding) and then calls
+`advance(logits)`, which either ends the job or hands back more tokens to feed (the draft's next
+token). A job that arrives during a forward joins the next one; there is no waiting window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+import torch
+
+from model_host.forward import Forward, RowLogits
+from model_host.kv_slots import Row
+from model_host.metrics import BATCH_SIZE, BATCH_TOKENS, ENGINE_FORWARD_SECONDS, QUEUE_SECONDS
+from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError, resource_exhausted
+
+log = structlog.get_logger(__name__)
+
+# Rows at most this wide share a forward with one another; wider ones (prefill chunks) get their own,
+# so that decoding rows are not padded to a prefill's width.
+_NARROW_ROW_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_batch_size: int = 32  # rows in one forward
+    max_batch_tokens: int = 2048  # tokens fed in one iteration, over all rows
+    prefill_chunk_tokens: int = 512  # a longer feed is split over iterations
+    max_queue_wait_s: float = 30.0  # a job not started by then fails with RESOURCE_EXHAUSTED ("busy")
+
+
+@dataclass(eq=False)
+class Job:
+    """One session step. Subclasses say what the logits mean (`advance`)."""
+
+    slot: int
+    start: int  # tokens cached for the session before this step
+    pending: list[int]  # tokens still to feed
+    num_logits: int  # logits wanted once `pending` has been fed
+    future: Future[Job] = field(default_factory=Future)
+    submitted: float = field(default_factory=time.perf_counter)
+    queue_seconds: float = -1.0  # from submission to the first forward; -1 until then
+    forward_seconds: float = 0.0  # summed over the forwards this job took part in
+    batch_size: int = 0  # rows of the largest forward this job took part in
+    batch_tokens: int = 0  # tokens of that forward
+
+    def advance(self, logits: torch.Tensor) -> list[int] | None:
+        """Logits [num_logits, vocab] after `pending` was fed: the next tokens to feed, or None when done."""
+        return None
+
+
+class SlotAllocator:
+    """Slot numbers for sessions: the lowest free one first, so a batch's slots tend to be contiguous.
+
+    A released slot is reused only after the engine's current iteration (a forward may still be
+    writing to it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[int] = []
+        self._released: list[int] = []
+        self._next = 0
+
+    def lease(self) -> int:
+        with self._lock:
+            if self._free:
+                return heapq.heappop(self._free)
+            self._next += 1
+            return self._next - 1
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            self._released.append(slot)
+
+    def recycle(self) -> list[int]:
+        """Make released slots leasable again; returns them."""
+        with self._lock:
+            released, self._released = self._released, []
+            for slot in released:
+                heapq.heappush(self._free, slot)
+            return released
+
+
+class Engine:
+    """One model, one thread, one forward per iteration over every ready job."""
+
+    def __init__(self, forward: Forward, limits: EngineLimits, role: str) -> None:
+        self.forward = forward
+        self.limits = limits
+        self.role = role
+        self.slots = SlotAllocator()
+        self._inbox: deque[Job] = deque()
+        self._active: list[Job] = []
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=f"{role}-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> Future[Job]:
+        with self._wake:
+            if self._stopped:
+                raise resource_exhausted("the service is shutting down; retry on another replica")
+            self._inbox.append(job)
+            self._wake.notify()
+        return job.future
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._inbox and not self._active and not self._stopped:
+                    self._wake.wait()
+                if self._stopped:
+                    break
+                self._active.extend(self._inbox)
+                self._inbox.clear()
+            for slot in self.slots.recycle():
+                self.forward.release(slot)
+            with torch.inference_mode():
+                self._iteration()
+        for job in [*self._active, *self._inbox]:
+            _fail(job, resource_exhausted("the service stopped; retry on another replica"))
+
+    def _iteration(self) -> None:
+        now = time.perf_counter()
+        waiting = [job for job in self._active if not job.future.cancelled()]
+        self._active = []
+        for job in waiting:
+            if job.queue_seconds < 0 and now - job.submitted > self.limits.max_queue_wait_s:
+                _fail(job, _busy(self.limits.max_queue_wait_s))
+            else:
+                self._active.append(job)
+        chosen = self._schedule()
+        narrow = [(job, row) for job, row in chosen if len(row.token_ids) <= _NARROW_ROW_TOKENS]
+        wide = [(job, row) for job, row in chosen if len(row.token_ids) > _NARROW_ROW_TOKENS]
+        for group in (narrow, wide):
+            if group:
+                self._run_group(group)
+
+    def _schedule(self) -> list[tuple[Job, Row]]:
+        """Rows for this iteration: first come, first served, within the batch limits."""
+        limits = self.limits
+        chosen: list[tuple[Job, Row]] = []
+        tokens = 0
+        for job in self._active:
+            feed = job.pending[: limits.prefill_chunk_tokens]
+            if chosen and (len(chosen) >= limits.max_batch_size or tokens + len(feed) > limits.max_batch_tokens):
+                continue
+            last = len(feed) == len(job.pending)
+            chosen.append((job, Row(job.slot, job.start, feed, job.num_logits if last else 0)))
+            tokens += len(feed)
+        return chosen
+
+    def _run_group(self, group: list[tuple[Job, Row]]) -> None:
+        group.sort(key=lambda pair: pair[1].slot)  # contiguous slots need no gather
+        rows = [row for _, row in group]
+        started = time.perf_counter()
+        try:
+            logits: RowLogits = self.forward(rows)
+        except Exception as exc:
+            log.exception("forward_failed", rows=len(rows))
+            message = f"{HANDLER_INTERNAL_PREFIX}the {self.role} forward: {type(exc).__name__}: {exc}"
+            error = ServiceError(grpc.StatusCode.INTERNAL, message)
+            for job, _ in group:
+                self._active.remove(job)
+                _fail(job, error)
+            return
+        seconds = time.perf_counter() - started
+        batch_tokens = sum(len(row.token_ids) for row in rows)
+        BATCH_SIZE.labels(self.role).observe(len(rows))
+        BATCH_TOKENS.labels(self.role).observe(batch_tokens)
+        ENGINE_FORWARD_SECONDS.labels(self.role).observe(seconds)
+        for (job, row), row_logits in zip(group, logits, strict=True):
+            if job.queue_seconds < 0:
+                job.queue_seconds = started - job.submitted
+                QUEUE_SECONDS.labels(self.role).observe(job.queue_seconds)
+            job.forward_seconds += seconds
+            if len(rows) >= job.batch_size:
+                job.batch_size, job.batch_tokens = len(rows), batch_tokens
+            job.start += len(row.token_ids)
+            job.pending = job.pending[len(row.token_ids) :]
+            if job.pending:
+                continue  # the next chunk of a long feed
+            try:
+                more = job.advance(row_logits) if row_logits is not None else None
+            except Exception as exc:  # noqa: BLE001 - this job's own failure
+                self._active.remove(job)
+                _fail(job, exc)
+                continue
+            if more:
+                job.pending = more
+            else:
+                self._active.remove(job)
+                _finish(job)
+
+
+def _busy(waited_s: float) -> ServiceError:
+    return resource_exhausted(
+        f"busy: the step waited {waited_s:g} s in the service's queue without starting; retry later or add replicas"
+    )
+
+
+def _finish(job: Job) -> None:
+    with contextlib.suppress(InvalidStateError):  # cancelled meanwhile: nobody is waiting
+        job.future.set_result(job)
+
+
+def _fail(job: Job, exc: BaseException) -> None:
+    with contextlib.suppress(InvalidStateError):
+        job.future.set_exception(exc)
