@@ -1,6 +1,7 @@
 """`make bench`: specdec beside the alternatives, on the same models and prompts.
 
     python -m bench [--pair default_models/pair] [--reps 3] [--prompts 6] [--max-new-tokens 96]
+    python -m bench --concurrency 1,2,4,8,16 --prompts 8 --max-new-tokens 64   # load mode (bench/load.py)
 
 Starts the target, draft and orchestrator as three processes on loopback, then runs every
 configuration over a fixed set of held-out prompts, greedy and sampling, interleaved: each repetition
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from bench.load import run_load
 from bench.report import as_json, plot, summarise, table
 from bench.runs import Config, HuggingFaceRunner, Sample, ServiceRunner, default_configs
 from default_models.prompts import held_out_prompts
@@ -110,6 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads per service (0: torch's default)")
     parser.add_argument("--only", default="", help="comma-separated config names to run (plus the baseline)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument(
+        "--concurrency", default="", help="load mode: comma-separated client counts, for example 1,2,4,8,16"
+    )
     args = parser.parse_args(argv)
     args.target_model = args.target_model or str(args.pair / "target")
     args.draft_model = args.draft_model or str(args.pair / "draft")
@@ -119,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+    if args.concurrency:
+        return run_load(args, held_out_prompts(args.prompts))
     configs = default_configs(args.max_k)
     if args.only:
         wanted = {"target alone", *(n.strip() for n in args.only.split(","))}

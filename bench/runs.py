@@ -11,13 +11,8 @@ import torch
 
 from model_host.loading import LoadedModel
 from orchestrator.client import GenerateResult, generate
+from serving.protocol import POLICY_BY_NAME
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-
-POLICIES = {
-    "fixed": orchestrator_pb2.SPECULATION_POLICY_FIXED,
-    "heuristic": orchestrator_pb2.SPECULATION_POLICY_HEURISTIC,
-    "cost_model": orchestrator_pb2.SPECULATION_POLICY_COST_MODEL,
-}
 
 
 @dataclass(frozen=True)
@@ -87,7 +82,7 @@ class ServiceRunner:
             text=prompt,
             max_new_tokens=max_new_tokens,
             num_speculative_tokens=config.k,
-            speculation_policy=POLICIES[config.policy],
+            speculation_policy=POLICY_BY_NAME[config.policy],
             overlap_drafting=config.overlap,
             **sampling_fields(mode, seed),
         )

@@ -58,8 +58,12 @@ def start_model_server(
     register: Callable[[Any, grpc.Server], None],
     service_name: str,
     config: ModelServiceConfig,
+    engine_thread: bool = True,
 ) -> ModelServer:
-    """Serve `servicer` on config.host:config.port (port 0 picks one) with health and reflection."""
+    """Serve `servicer` on config.host:config.port (port 0 picks one) with health and reflection.
+
+    The engine runs in a thread of its own unless `engine_thread` is False, in which case the caller
+    runs `servicer.engine.run()` (a service's main thread does)."""
     workers = config.max_sessions + _SPARE_WORKERS
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=servicer.role),
@@ -71,6 +75,8 @@ def start_model_server(
     health_servicer = serving.add_standard_services(server, [service_name])
     port = serving.bind(server, config.host, config.port)
     server.start()
+    if engine_thread:
+        servicer.engine.start()
     model_server = ModelServer(server=server, port=port, servicer=servicer, health=health_servicer)
     _start_expiry(model_server, config.session_idle_timeout_s)
     log.info("serving", service=service_name, host=config.host, port=port)
@@ -107,7 +113,10 @@ def run_model_service(
     except ValueError as exc:
         raise SystemExit(f"{prog}: {exc}") from exc
     serving.start_metrics(config.host, config.metrics_port)
-    model_server = start_model_server(make_servicer(loaded, config), register, service_name, config)
+    model_server = start_model_server(
+        make_servicer(loaded, config), register, service_name, config, engine_thread=False
+    )
     serving.on_sigterm(lambda: model_server.drain(config.grace_period_s))
+    model_server.servicer.engine.run()  # the main thread owns the model until the drain stops the engine
     model_server.wait()
     log.info("stopped", service=service_name)

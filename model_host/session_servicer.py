@@ -26,13 +26,13 @@ from model_host.forward import Forward, choose_forward
 from model_host.kv_slots import SlotStore
 from model_host.loading import LoadedModel
 from model_host.metrics import CACHED_TOKENS, FED_TOKENS, FORWARD_SECONDS, OPEN_SESSIONS, STEPS
+from model_host.profile import forward_costs
 from model_host.sessions import Session, SessionStore
 from serving.errors import invalid_argument
+from serving.protocol import REQUEST_ID_METADATA
 from specdec.v1 import common_pb2
 
 log = structlog.get_logger(__name__)
-
-REQUEST_ID_METADATA = "x-request-id"
 
 
 class StepRequest(Protocol):
@@ -98,6 +98,8 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             prefill_chunk_tokens=config.prefill_chunk_tokens,
             max_queue_wait_s=config.max_queue_wait_s,
         )
+        widths = (1,) if self.role == "draft" else (1, 3, 5)  # a draft step feeds one token per forward
+        self.forward_costs = forward_costs(forward, loaded.vocab_size, config.max_batch_size, widths)
         self.engine = Engine(forward, limits, self.role)
         self.store = SessionStore(
             self.new_cache, config.max_sessions, config.max_cached_tokens, config.session_idle_timeout_s
@@ -160,6 +162,9 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             max_batch_tokens=config.max_batch_tokens,
             prefill_chunk_tokens=config.prefill_chunk_tokens,
             batched=self.engine.forward.batched,
+            forward_costs=[
+                common_pb2.ForwardCost(batch_tokens=tokens, seconds=seconds) for tokens, seconds in self.forward_costs
+            ],
         )
 
     def _check_common(self, request: RequestT) -> None:

@@ -15,13 +15,8 @@ from typing import Any
 
 import grpc
 
+from serving.protocol import POLICY_BY_NAME
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-
-_POLICIES = {
-    "fixed": orchestrator_pb2.SPECULATION_POLICY_FIXED,
-    "heuristic": orchestrator_pb2.SPECULATION_POLICY_HEURISTIC,
-    "cost_model": orchestrator_pb2.SPECULATION_POLICY_COST_MODEL,
-}
 
 
 @dataclass
@@ -51,7 +46,7 @@ def build_request(args: argparse.Namespace) -> orchestrator_pb2.GenerateRequest:
     if args.num_speculative_tokens is not None:
         request.num_speculative_tokens = args.num_speculative_tokens
     if args.policy:
-        request.speculation_policy = _POLICIES[args.policy]
+        request.speculation_policy = POLICY_BY_NAME[args.policy]
     if args.overlap is not None:
         request.overlap_drafting = args.overlap
     return request
@@ -109,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float, default=None, help="in (0, 1]; default 1")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--num-speculative-tokens", type=int, default=None, help="K; 0 is the target alone")
-    parser.add_argument("--policy", choices=sorted(_POLICIES), default=None, help="how K changes between rounds")
+    parser.add_argument("--policy", choices=sorted(POLICY_BY_NAME), default=None, help="how K changes between rounds")
     parser.add_argument(
         "--overlap",
         action=argparse.BooleanOptionalAction,

@@ -7,8 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from serving.config import add_config_arguments
-
-POLICIES = ("fixed", "heuristic", "cost_model")
+from serving.protocol import POLICIES
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,9 @@ class OrchestratorConfig:
     target_backoff_s: float = 0.25
     startup_timeout_s: float = 120.0
     resolve_interval_s: float = 30.0
-    max_concurrent_requests: int = 256
+    max_running_requests: int = 0
+    max_queued_requests: int = 1024
+    max_queue_wait_s: float = 60.0
     metrics_port: int = 0
     grace_period_s: float = 30.0
     log_level: str = "info"
@@ -60,7 +61,9 @@ _HELP: dict[str, str] = {
     "target_backoff_s": "first backoff between target tries (doubles each try)",
     "startup_timeout_s": "how long to wait for the services at start-up",
     "resolve_interval_s": "seconds between DNS re-resolutions of dns:/// replica names",
-    "max_concurrent_requests": "Generate calls served at once (RESOURCE_EXHAUSTED beyond)",
+    "max_running_requests": "requests generating at once (0: the target replicas' session limits together)",
+    "max_queued_requests": "requests waiting for a place beyond those (RESOURCE_EXHAUSTED beyond)",
+    "max_queue_wait_s": "a queued request that waits longer gets RESOURCE_EXHAUSTED",
     "metrics_port": "Prometheus metrics port (0 disables)",
     "grace_period_s": "seconds open requests get to finish after SIGTERM",
     "log_level": "debug, info, warning or error",

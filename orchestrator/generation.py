@@ -18,7 +18,9 @@ import grpc
 import structlog
 import torch
 
+from orchestrator.costs import ServiceLoad
 from orchestrator.k_policy import KPolicy
+from orchestrator.metrics import CHOSEN_K
 from orchestrator.rejection import Verdict, verify_greedy, verify_sampled
 from orchestrator.upstream import SessionStream
 from serving.errors import ServiceError
@@ -188,6 +190,7 @@ class Generation:
         policy: KPolicy,
         draft_timeout_s: float,
         target_timeout_s: float = 60.0,
+        load: ServiceLoad | None = None,
     ) -> None:
         self.request = request
         self.limits = limits
@@ -197,6 +200,7 @@ class Generation:
         self.policy = policy
         self.draft_timeout_s = draft_timeout_s
         self.target_timeout_s = target_timeout_s
+        self.load = load  # learns from every step's timing, for the load-aware policy
         self.sequence = list(request.prompt_token_ids)
         self.generator = seeded_generator(request.seed)
         self.drafting_refused = False  # the draft refused this request's steps: no more drafting for it
@@ -213,6 +217,7 @@ class Generation:
         ready: Draft | None = None  # a block drafted during the previous verification, still valid
         while self.finish_reason == orchestrator_pb2.FINISH_REASON_UNSPECIFIED:
             k = self._round_k(produced)
+            CHOSEN_K.observe(k)
             if ready is not None and k:
                 draft = ready.first(k)
                 self.stats.overlapped_rounds += 1
@@ -316,6 +321,7 @@ class Generation:
         if k < 1:
             return NO_DRAFT
         try:
+            started = time.perf_counter()
             async with asyncio.timeout(self.draft_timeout_s):
                 response = await draft.step(lambda keep: self._draft_request(context, keep, k))
             probs = None
@@ -336,6 +342,8 @@ class Generation:
             return NO_DRAFT
         draft.fed = len(context) + len(token_ids) - 1
         self.stats.draft_seconds += response.timing.forward_seconds
+        if self.load is not None:
+            self.load.observe_draft(response.timing, len(token_ids), time.perf_counter() - started)
         return Draft(token_ids=token_ids, probs=probs, forward_seconds=response.timing.forward_seconds, fed=draft.fed)
 
     async def _verify(self, draft: Draft) -> tuple[Verdict, float]:
@@ -343,6 +351,8 @@ class Generation:
         sequence = self.sequence
         rows = len(draft.token_ids) + 1
         sampling = self.sampling_proto
+        feeds = len(sequence) - self.target.fed + len(draft.token_ids)  # unless the session was lost
+        started = time.perf_counter()
         try:
             async with asyncio.timeout(self.target_timeout_s):
                 response = await self.target.step(
@@ -362,6 +372,8 @@ class Generation:
             ) from exc
         target_seconds = response.timing.forward_seconds
         self.stats.target_seconds += target_seconds
+        if self.load is not None:
+            self.load.observe_target(response.timing, feeds, time.perf_counter() - started)
         draft_ids = torch.tensor(draft.token_ids, dtype=torch.long)  # [k]
         if self.request.sampling.greedy:
             argmax = torch.tensor(list(response.argmax_token_ids), dtype=torch.long)  # [k + 1]

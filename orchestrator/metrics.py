@@ -29,3 +29,11 @@ TIME_PER_OUTPUT_TOKEN = Histogram(
     "specdec:time_per_output_token_seconds", "Mean time per output token after the first", buckets=_PER_TOKEN_BUCKETS
 )
 E2E_LATENCY = Histogram("specdec:e2e_request_latency_seconds", "Request latency, end to end", buckets=_LATENCY_BUCKETS)
+CHOSEN_K = Histogram(
+    "specdec:num_speculative_tokens_chosen",
+    "K chosen for each round (0: the target alone)",
+    buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16),
+)
+QUEUE_SECONDS = Histogram(
+    "specdec:request_queue_seconds", "Time a request waited for a place before it started", buckets=_LATENCY_BUCKETS
+)

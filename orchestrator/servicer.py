@@ -14,7 +14,9 @@ import structlog
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from orchestrator import metrics
-from orchestrator.config import POLICIES, OrchestratorConfig
+from orchestrator.admission import Admission
+from orchestrator.config import OrchestratorConfig
+from orchestrator.costs import ServiceLoad
 from orchestrator.generation import (
     DraftAvailability,
     DraftStream,
@@ -27,7 +29,8 @@ from orchestrator.generation import (
 from orchestrator.k_policy import make_policy
 from orchestrator.text import TextStream
 from orchestrator.upstream import ReplicaPool, SessionStream
-from serving.errors import ServiceError, failed_precondition, invalid_argument, resource_exhausted
+from serving.errors import ServiceError, failed_precondition, invalid_argument
+from serving.protocol import POLICIES, POLICY_BY_ENUM, POLICY_BY_NAME
 from serving.sampling import SamplingParams
 from serving.vocab import tokenizer_fingerprint
 from specdec.v1 import common_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2_grpc
@@ -35,12 +38,6 @@ from specdec.v1 import common_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrato
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = "specdec.v1.Orchestrator"
-_POLICY_BY_ENUM = {
-    orchestrator_pb2.SPECULATION_POLICY_FIXED: "fixed",
-    orchestrator_pb2.SPECULATION_POLICY_HEURISTIC: "heuristic",
-    orchestrator_pb2.SPECULATION_POLICY_COST_MODEL: "cost_model",
-}
-_ENUM_BY_POLICY = {name: value for value, name in _POLICY_BY_ENUM.items()}
 _MAX_STOP_STRINGS = 16
 _MAX_STOP_CHARS = 256
 _MAX_REQUEST_ID_CHARS = 128
@@ -125,7 +122,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.draft = draft
         self.tokenizer = tokenizer
         self.availability = DraftAvailability(config.draft_retry_after_s)
-        self._running = 0
+        self.load = ServiceLoad(target_info, draft.info if draft else None)
+        running = config.max_running_requests or target_info.max_sessions * max(1, len(target_pool.replicas))
+        self.admission = Admission(running, config.max_queued_requests, config.max_queue_wait_s)
         self._draft_watch: asyncio.Task[None] | None = None
 
     @classmethod
@@ -171,6 +170,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 log.error("draft_mismatch", error=str(exc), fallback="target alone")
                 return
             self.draft.info = info
+            self.load.set_draft(info)
             log.info("draft_available", model=info.model)
 
     async def close(self) -> None:
@@ -190,7 +190,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             max_new_tokens_cap=self.config.max_new_tokens_cap,
             num_speculative_tokens_cap=self.config.max_speculative_tokens,
             default_num_speculative_tokens=self.config.num_speculative_tokens if self.draft else 0,
-            default_speculation_policy=_ENUM_BY_POLICY[self.config.speculation_policy],
+            default_speculation_policy=POLICY_BY_NAME[self.config.speculation_policy],
             default_overlap_drafting=self.config.overlap_drafting,
         )
         if self.draft and self.draft.info:
@@ -244,7 +244,15 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             top_k=request.top_k,
             top_p=request.top_p if request.HasField("top_p") else 1.0,
         ).validated()
-        default_k = cfg.num_speculative_tokens if self.draft else 0
+        if request.speculation_policy and request.speculation_policy not in POLICY_BY_ENUM:
+            raise invalid_argument(
+                f"speculation_policy {request.speculation_policy} is unknown; use one of {', '.join(POLICIES)}"
+            )
+        policy = POLICY_BY_ENUM.get(request.speculation_policy, cfg.speculation_policy)
+        # Under load_aware, K is an upper bound, by default the server's cap.
+        default_k = (
+            (cfg.max_speculative_tokens if policy == "load_aware" else cfg.num_speculative_tokens) if self.draft else 0
+        )
         k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else default_k
         if not 0 <= k <= cfg.max_speculative_tokens:
             raise invalid_argument(f"num_speculative_tokens must be in [0, {cfg.max_speculative_tokens}]; got {k}")
@@ -253,11 +261,6 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 "num_speculative_tokens > 0 needs a draft service, and this orchestrator has none "
                 "(start it with --draft HOST:PORT, or send num_speculative_tokens = 0)"
             )
-        if request.speculation_policy and request.speculation_policy not in _POLICY_BY_ENUM:
-            raise invalid_argument(
-                f"speculation_policy {request.speculation_policy} is unknown; use one of {', '.join(POLICIES)}"
-            )
-        policy = _POLICY_BY_ENUM.get(request.speculation_policy, cfg.speculation_policy)
         if len(request.stop) > _MAX_STOP_STRINGS or any(not 0 < len(s) <= _MAX_STOP_CHARS for s in request.stop):
             raise invalid_argument(
                 f"stop takes at most {_MAX_STOP_STRINGS} non-empty strings of at most {_MAX_STOP_CHARS} characters"
@@ -312,25 +315,21 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             target,
             draft,
             self.availability,
-            make_policy(policy, request.num_speculative_tokens, cfg.max_speculative_tokens),
+            make_policy(policy, request.num_speculative_tokens, cfg.max_speculative_tokens, self.load),
             cfg.draft_timeout_s,
             cfg.target_timeout_s,
+            self.load,
         )
 
     async def Generate(
         self, request: orchestrator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
-        if self._running >= self.config.max_concurrent_requests:
-            raise resource_exhausted(
-                f"the orchestrator is serving its maximum of {self.config.max_concurrent_requests} requests; "
-                "retry later or add orchestrator replicas"
-            )
         generation_request, policy = await self.validate(request)
-        generation = self._generation(generation_request, policy)
         text = TextStream(self.tokenizer, list(request.stop))
         finish: int = orchestrator_pb2.FINISH_REASON_UNSPECIFIED
         streamed = 0
-        self._running += 1
+        await self.admission.acquire()
+        generation = self._generation(generation_request, policy)
         metrics.REQUESTS_RUNNING.inc()
         structlog.contextvars.bind_contextvars(request_id=generation_request.request_id)
         first = True
@@ -373,7 +372,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             raise
         finally:
             generation.close()
-            self._running -= 1
+            self.admission.release()
             metrics.REQUESTS_RUNNING.dec()
             structlog.contextvars.unbind_contextvars("request_id")
 

@@ -20,12 +20,12 @@ import grpc
 import structlog
 
 from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError, unavailable
+from serving.protocol import REQUEST_ID_METADATA
 from serving.server import CHANNEL_OPTIONS
 from specdec.v1 import common_pb2
 
 log = structlog.get_logger(__name__)
 
-REQUEST_ID_METADATA = "x-request-id"
 # A replica that failed is avoided for this long when another one is up.
 _FAILURE_COOLDOWN_S = 5.0
 # Statuses that mean "this replica, this stream" rather than "this request": reopen and resend.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.k_policy import CostModelK, FixedK, HeuristicK, best_k, expected_tokens
+from orchestrator.k_policy import CostModelK, FixedK, HeuristicK, LoadAwareK, best_k, expected_tokens
 from orchestrator.rejection import Verdict
 
 
@@ -49,3 +49,62 @@ def test_cost_model_learns_from_rounds():
     for _ in range(60):
         policy.observe(_verdict(0, 4), draft_seconds=0.004, target_seconds=0.05)
     assert policy.next_k() == 1
+
+
+def _load(target_points, draft_points, batch_size: float):
+    from orchestrator.costs import ServiceLoad
+    from specdec.v1 import common_pb2
+
+    def info(points):
+        return common_pb2.ModelInfo(
+            forward_costs=[common_pb2.ForwardCost(batch_tokens=n, seconds=s) for n, s in points]
+        )
+
+    load = ServiceLoad(info(target_points), info(draft_points))
+    load.batch_size = batch_size
+    return load
+
+
+def test_cost_curve_interpolates_and_extrapolates():
+    from orchestrator.costs import CostCurve
+
+    curve = CostCurve([(1, 1.0), (4, 2.5), (8, 4.5)])
+    assert curve.seconds(1) == 1.0 and curve.seconds(0.5) == 1.0
+    assert abs(curve.seconds(2) - 1.5) < 1e-9 and abs(curve.seconds(6) - 3.5) < 1e-9
+    assert abs(curve.seconds(16) - 8.5) < 1e-9  # the last segment's slope, extended
+    curve.observe(4, 3.5)
+    assert 2.5 < curve.seconds(4) < 3.5  # a running average, not a replacement
+
+
+def test_load_aware_speculates_when_verifying_is_cheap():
+    # A GPU-like target: a forward of 64 tokens costs what one of 1 costs; a draft 10x cheaper.
+    load = _load([(1, 0.020), (64, 0.021), (256, 0.030)], [(1, 0.002), (32, 0.0025)], batch_size=8)
+    policy = LoadAwareK(4, 8, load)
+    for _ in range(10):
+        policy.observe(_verdict(3, 4))
+    assert policy.next_k() >= 3
+
+
+def test_load_aware_falls_to_zero_when_verifying_costs_grow_with_the_batch_and_comes_back():
+    # A CPU-like target at batch 16: every extra verified position costs almost a full token's work.
+    steep = [(1, 0.005), (16, 0.015), (64, 0.060), (256, 0.240)]
+    load = _load(steep, [(1, 0.001), (16, 0.004)], batch_size=16)
+    policy = LoadAwareK(4, 8, load)
+    for _ in range(5):
+        policy.observe(_verdict(1, 4))  # acceptance about 0.3
+    assert policy.next_k() == 0
+    for _ in range(policy.probe_every):
+        policy.observe(_verdict(0, 0))  # rounds at K = 0
+    assert policy.next_k() == 1  # a probe keeps the acceptance estimate alive
+    load.batch_size = 1.0  # the load falls, and the probes show the draft agrees well
+    for _ in range(10):
+        policy.observe(_verdict(1, 1))
+    assert policy.next_k() > 0
+
+
+def test_an_explicit_k_bounds_load_aware():
+    load = _load([(1, 0.020), (256, 0.021)], [(1, 0.0001)], batch_size=1)
+    policy = LoadAwareK(2, 2, load)
+    for _ in range(10):
+        policy.observe(_verdict(2, 2))
+    assert policy.next_k() == 2

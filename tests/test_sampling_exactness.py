@@ -14,6 +14,7 @@ import asyncio
 import itertools
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -232,13 +233,15 @@ def test_same_seed_same_output_over_grpc(orchestrators):
     assert first != other
 
 
-def test_real_services_first_token_distribution(orchestrators, target_model):
-    """Through real gRPC services: the first generated token follows the target's distribution."""
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_real_services_first_token_distribution(orchestrators, target_model, concurrency):
+    """Through real gRPC services, alone and eight at a time (batched): the first generated token
+    follows the target's distribution."""
     samples = 600
     prompt = [5, 6, 7]
-    counts: Counter[int] = Counter()
     stub = orchestrators["random"].stub
-    for seed in range(samples):
+
+    def first_token(seed: int) -> int:
         request = orchestrator_pb2.GenerateRequest(
             token_ids=orchestrator_pb2.TokenIds(ids=prompt),
             max_new_tokens=2,
@@ -246,8 +249,10 @@ def test_real_services_first_token_distribution(orchestrators, target_model):
             seed=seed,
             num_speculative_tokens=1,
         )
-        ids, _, _ = collect(stub, request)
-        counts[ids[0]] += 1
+        return collect(stub, request)[0][0]
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        counts: Counter[int] = Counter(pool.map(first_token, range(samples)))
     with torch.no_grad():
         logits = target_model.model(torch.tensor([prompt])).logits[0, -1]
     probs = logits.softmax(-1).double().numpy()

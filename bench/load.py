@@ -1,0 +1,295 @@
+"""`python -m bench --concurrency 1,2,4,8,16`: throughput and latency under concurrent load.
+
+Each of C clients sends its requests back to back (greedy, a fixed set of held-out prompts) through
+the three services on loopback. Configurations: the target alone through the services (K = 0),
+specdec at a fixed K, and the load-aware policy; anchors in the same run: Hugging Face `generate()` of
+the target on a left-padded batch of the same C prompts in this process, and transformers' continuous
+batching (`generate_batch`). Every repetition runs every (concurrency, configuration) once, in a
+rotated order; medians over repetitions, ratios within one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+import statistics
+import time
+from argparse import Namespace
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+from tqdm import tqdm
+from transformers import GenerationConfig
+
+from model_host.loading import LoadedModel
+from serving.protocol import POLICY_BY_NAME
+from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    name: str
+    kind: str  # "services", "hf_batch" (padded generate) or "hf_cb" (generate_batch)
+    k: int | None = None  # None: the policy's default bound
+    policy: str = "fixed"
+
+
+LOAD_CONFIGS = [
+    LoadConfig("target alone (K = 0)", "services", 0),
+    LoadConfig("specdec fixed K = 2", "services", 2),
+    LoadConfig("specdec load-aware", "services", None, "load_aware"),
+    LoadConfig("HF generate(), padded batch", "hf_batch"),
+    LoadConfig("HF generate_batch (continuous batching)", "hf_cb"),
+]
+
+
+@dataclass
+class LoadSample:
+    """One (repetition, concurrency, configuration) run."""
+
+    config: str
+    concurrency: int
+    rep: int
+    tokens: int
+    seconds: float
+    ttft: list[float] = field(default_factory=list)  # per request
+    itl: list[float] = field(default_factory=list)  # per output token after the first
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    token_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds
+
+
+async def _client(
+    stub: orchestrator_pb2_grpc.OrchestratorStub, requests: list[orchestrator_pb2.GenerateRequest], sample: LoadSample
+) -> None:
+    for request in requests:
+        started = last = time.perf_counter()
+        ids: list[int] = []
+        async for message in stub.Generate(request):
+            now = time.perf_counter()
+            if message.token_ids:
+                if not ids:
+                    sample.ttft.append(now - started)
+                else:
+                    sample.itl.extend([(now - last) / len(message.token_ids)] * len(message.token_ids))
+                last = now
+                ids.extend(message.token_ids)
+            if message.finish_reason:
+                sample.draft_tokens += message.stats.draft_tokens
+                sample.accepted_tokens += message.stats.accepted_tokens
+        sample.tokens += len(ids)
+        sample.token_ids.append(ids)
+
+
+async def run_services(
+    address: str, config: LoadConfig, prompts: list[list[int]], concurrency: int, rep: int, max_new_tokens: int
+) -> LoadSample:
+    """C clients, each with its share of the requests, back to back."""
+    sample = LoadSample(config.name, concurrency, rep, 0, 0.0)
+    requests = []
+    for prompt in prompts:
+        request = orchestrator_pb2.GenerateRequest(
+            token_ids=orchestrator_pb2.TokenIds(ids=prompt),
+            max_new_tokens=max_new_tokens,
+            speculation_policy=POLICY_BY_NAME[config.policy],
+        )
+        if config.k is not None:
+            request.num_speculative_tokens = config.k
+        requests.append(request)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        started = time.perf_counter()
+        await asyncio.gather(*(_client(stub, requests[i::concurrency], sample) for i in range(concurrency)))
+        sample.seconds = time.perf_counter() - started
+    return sample
+
+
+def run_hf(
+    target: LoadedModel, config: LoadConfig, prompts: list[list[int]], concurrency: int, rep: int, max_new_tokens: int
+) -> LoadSample:
+    """The same requests in this process: padded batches of C prompts, or generate_batch over all."""
+    sample = LoadSample(config.name, concurrency, rep, 0, 0.0)
+    model = target.model
+    started = time.perf_counter()
+    with torch.inference_mode():
+        if config.kind == "hf_cb":
+            generation = GenerationConfig(
+                max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0
+            )
+            outputs = model.generate_batch(inputs=prompts, generation_config=generation, progress_bar=False)
+            sample.tokens = sum(len(output.generated_tokens) for output in outputs.values())
+        else:
+            for start in range(0, len(prompts), concurrency):
+                batch = prompts[start : start + concurrency]
+                width = max(len(p) for p in batch)
+                ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+                out = model.generate(
+                    ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                    do_sample=False, pad_token_id=0,
+                )  # fmt: skip
+                sample.tokens += int(out[:, width:].numel())
+    sample.seconds = time.perf_counter() - started
+    return sample
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summarise_load(samples: list[LoadSample], concurrencies: list[int]) -> list[dict[str, float | str | int]]:
+    """One row per (concurrency, configuration): medians over repetitions, and the ratio to the target
+    alone through the services taken within each repetition."""
+    rows: list[dict[str, float | str | int]] = []
+    by_key = {(s.config, s.concurrency, s.rep): s for s in samples}
+    names = list(dict.fromkeys(s.config for s in samples))
+    for concurrency in concurrencies:
+        for name in names:
+            runs = [s for s in samples if s.config == name and s.concurrency == concurrency]
+            if not runs:
+                continue
+            ratios = [
+                s.tokens_per_second / base.tokens_per_second
+                for s in runs
+                if (base := by_key.get((LOAD_CONFIGS[0].name, concurrency, s.rep)))
+            ]
+            ttft = [t for s in runs for t in s.ttft]
+            itl = [t for s in runs for t in s.itl]
+            drafted = sum(s.draft_tokens for s in runs)
+            rows.append(
+                {
+                    "concurrency": concurrency,
+                    "config": name,
+                    "tokens_per_second": statistics.median(s.tokens_per_second for s in runs),
+                    "x_target_alone": statistics.median(ratios) if ratios else 0.0,
+                    "ttft_p50_s": percentile(ttft, 0.5),
+                    "ttft_p99_s": percentile(ttft, 0.99),
+                    "itl_p50_s": percentile(itl, 0.5),
+                    "itl_p99_s": percentile(itl, 0.99),
+                    "acceptance": sum(s.accepted_tokens for s in runs) / drafted if drafted else 0.0,
+                    "draft_tokens_per_output_token": drafted / max(1, sum(s.tokens for s in runs)),
+                }
+            )
+    return rows
+
+
+def load_table(rows: list[dict[str, float | str | int]]) -> str:
+    lines = [
+        "| C | config | tok/s | x target alone | TTFT p50 / p99 ms | ITL p50 / p99 ms | acceptance | drafted/out |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['concurrency']} | {r['config']} | {float(r['tokens_per_second']):.0f} | "
+            f"{float(r['x_target_alone']):.2f} | {1000 * float(r['ttft_p50_s']):.0f} / "
+            f"{1000 * float(r['ttft_p99_s']):.0f} | {1000 * float(r['itl_p50_s']):.1f} / "
+            f"{1000 * float(r['itl_p99_s']):.1f} | {float(r['acceptance']):.2f} | "
+            f"{float(r['draft_tokens_per_output_token']):.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_load(rows: list[dict[str, float | str | int]], out: Path) -> Path:
+    """Throughput and p99 inter-token latency against concurrency, one line per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in dict.fromkeys(str(r["config"]) for r in rows):
+        mine = [r for r in rows if r["config"] == name]
+        xs = [int(r["concurrency"]) for r in mine]
+        left.plot(xs, [float(r["tokens_per_second"]) for r in mine], marker="o", label=name)
+        if any(float(r["itl_p99_s"]) for r in mine):
+            right.plot(xs, [1000 * float(r["itl_p99_s"]) for r in mine], marker="o", label=name)
+    for axis, label in ((left, "tokens per second (all clients)"), (right, "p99 inter-token latency (ms)")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("concurrent clients")
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "load.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_load(args: Namespace, prompts_text: list[str]) -> int:
+    """The load mode of `python -m bench`."""
+    from model_host.loading import load_model
+    from orchestrator.local_stack import LocalStack
+
+    concurrencies = [int(c) for c in args.concurrency.split(",") if c]
+    target = load_model(args.target_model)
+    assert target.tokenizer is not None
+    prompts = [list(target.tokenizer(text)["input_ids"]) for text in prompts_text]
+    samples: list[LoadSample] = []
+    with LocalStack(
+        args.target_model,
+        args.draft_model,
+        log_dir=args.out / "logs",
+        extra_service_args=["--threads", str(args.threads)] if args.threads else [],
+    ) as stack:
+        # Warm-up: every configuration once at the first concurrency, not measured.
+        warm_up = [(0, concurrencies[0], i) for i in range(len(LOAD_CONFIGS))]
+        jobs = [(rep, c, i) for rep in range(args.reps) for c in concurrencies for i in range(len(LOAD_CONFIGS))]
+        for number, (rep, concurrency, index) in enumerate(tqdm([*warm_up, *jobs], desc="load", unit="run")):
+            config = LOAD_CONFIGS[(index + rep) % len(LOAD_CONFIGS)]
+            requests = [prompts[i % len(prompts)] for i in range(max(len(prompts), 2 * concurrency))]
+            if config.kind == "services":
+                sample = asyncio.run(
+                    run_services(stack.orchestrator_address, config, requests, concurrency, rep, args.max_new_tokens)
+                )
+            else:
+                sample = run_hf(target, config, requests, concurrency, rep, args.max_new_tokens)
+            if number >= len(warm_up):
+                samples.append(sample)
+    rows = summarise_load(samples, concurrencies)
+    print(load_table(rows))
+    check_greedy_identity(samples)
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    path = args.out / f"load-{stamp}.json"
+    path.write_text(
+        json.dumps(
+            {
+                "meta": {
+                    "date": stamp,
+                    "reps": args.reps,
+                    "max_new_tokens": args.max_new_tokens,
+                    "prompts": len(prompts),
+                    "cpus": os.cpu_count(),
+                    "torch": torch.__version__,
+                },
+                "rows": rows,
+                "samples": [{k: v for k, v in asdict(s).items() if k != "token_ids"} for s in samples],
+            },
+            indent=1,
+        )
+    )
+    (args.out / "load-latest.json").write_text(path.read_text())
+    print(f"\nresults: {path}\nplot: {plot_load(rows, args.out)}")
+    return 0
+
+
+def check_greedy_identity(samples: list[LoadSample]) -> None:
+    """Every configuration through the services produced the target alone's tokens (greedy)."""
+    reference = {(s.concurrency, s.rep): s.token_ids for s in samples if s.config == LOAD_CONFIGS[0].name}
+    differing = 0
+    for s in samples:
+        base = reference.get((s.concurrency, s.rep))
+        if s.token_ids and base and sorted(map(tuple, s.token_ids)) != sorted(map(tuple, base)):
+            differing += 1
+    print(f"greedy outputs identical to the target alone: {'yes' if not differing else f'NO ({differing} runs)'}")

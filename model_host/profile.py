@@ -1,0 +1,43 @@
+"""The forward-cost curve a model service reports: seconds of one forward by the tokens it feeds.
+
+Measured once at start-up, before the engine serves, on scratch slots of the service's own slot store:
+batches of 1 to `max_batch_size` rows, each `width` tokens wide after a short cached prefix. The
+orchestrator's load-aware K starts from this curve and refines it from live steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from model_host.forward import Forward
+from model_host.kv_slots import Row
+
+_PREFIX_TOKENS = 32
+_REPEATS = 3
+
+
+@torch.inference_mode()
+def forward_costs(
+    forward: Forward, vocab_size: int, max_batch_size: int, widths: tuple[int, ...]
+) -> list[tuple[int, float]]:
+    """[(batch_tokens, seconds)] sorted by batch_tokens; the median of a few forwards each."""
+    generator = torch.Generator().manual_seed(0)
+    batch_sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= max_batch_size]
+    prefix = torch.randint(0, vocab_size, (_PREFIX_TOKENS,), generator=generator).tolist()
+    forward([Row(slot, 0, prefix, 1) for slot in range(batch_sizes[-1])])
+    by_tokens: dict[int, list[float]] = {}
+    for batch in batch_sizes:
+        for width in widths:
+            rows = [Row(slot, _PREFIX_TOKENS, prefix[:width], width) for slot in range(batch)]
+            seconds = []
+            for _ in range(_REPEATS):
+                started = time.perf_counter()
+                forward(rows)
+                seconds.append(time.perf_counter() - started)
+            by_tokens.setdefault(batch * width, []).append(statistics.median(seconds))
+    for slot in range(batch_sizes[-1]):
+        forward.release(slot)
+    return sorted((tokens, statistics.median(times)) for tokens, times in by_tokens.items())

@@ -1,0 +1,18 @@
+"""Names the three servers and their clients share: metadata keys and the speculation policies."""
+
+from __future__ import annotations
+
+from specdec.v1 import orchestrator_pb2
+
+# gRPC metadata key carrying a request's id from the orchestrator to both model services.
+REQUEST_ID_METADATA = "x-request-id"
+
+# Speculation policies by name (flags, configuration, logs) and their wire enum.
+POLICY_BY_NAME: dict[str, orchestrator_pb2.SpeculationPolicy] = {
+    "fixed": orchestrator_pb2.SPECULATION_POLICY_FIXED,
+    "heuristic": orchestrator_pb2.SPECULATION_POLICY_HEURISTIC,
+    "cost_model": orchestrator_pb2.SPECULATION_POLICY_COST_MODEL,
+    "load_aware": orchestrator_pb2.SPECULATION_POLICY_LOAD_AWARE,
+}
+POLICY_BY_ENUM: dict[int, str] = {value: name for name, value in POLICY_BY_NAME.items()}
+POLICIES = tuple(POLICY_BY_NAME)

@@ -1,0 +1,68 @@
+"""The exactness contract in bfloat16: a (K + 1)-token verify and a one-token step round differently at
+bfloat16's resolution (as batching does), so speculative greedy output may leave the target-alone path
+at a position whose top two logits are that close; anywhere else it is a bug."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from model_host.loading import LoadedModel, load_model
+from specdec.v1 import orchestrator_pb2
+from tests.conftest import collect
+from tests.servers import OrchestratorThread, orchestrator_config, start_draft, start_target
+
+# bfloat16 keeps 8 significant bits: neighbouring values at magnitude m are 2^(floor(log2 m) - 7) apart.
+BFLOAT16_BITS = 8
+RESOLUTION_UNITS = 4  # "a few units of the dtype's resolution at the logit's magnitude"
+
+
+def resolution(magnitude: float) -> float:
+    return 2.0 ** (math.floor(math.log2(max(magnitude, 1e-30))) - (BFLOAT16_BITS - 1))
+
+
+def near_tie(model: LoadedModel, sequence: list[int]) -> tuple[bool, float, float]:
+    """Whether the next token after `sequence` is a bfloat16 near tie: (tie, gap, allowed), float32."""
+    with torch.no_grad():
+        logits = model.model(torch.tensor([sequence])).logits[0, -1].float()
+    top = logits.topk(2).values
+    gap, allowed = float(top[0] - top[1]), RESOLUTION_UNITS * resolution(float(top[0].abs()))
+    return gap <= allowed, gap, allowed
+
+
+@pytest.mark.slow
+def test_bfloat16_divergences_are_near_ties(tiny_pair, target_model):
+    target = start_target(load_model(str(tiny_pair.target), "cpu", "bfloat16"))
+    draft = start_draft(load_model(str(tiny_pair.close_draft), "cpu", "bfloat16"))
+    orchestrator = OrchestratorThread(orchestrator_config(target, draft))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 96) for _ in range(rng.randrange(2, 12))] for _ in range(20)]
+    identical, ties = 0, []
+    try:
+        for prompt in prompts:
+            ids = orchestrator_pb2.TokenIds(ids=prompt)
+            alone, _, _ = collect(
+                orchestrator.stub,
+                orchestrator_pb2.GenerateRequest(token_ids=ids, max_new_tokens=24, num_speculative_tokens=0),
+            )
+            spec, _, last = collect(
+                orchestrator.stub,
+                orchestrator_pb2.GenerateRequest(token_ids=ids, max_new_tokens=24, num_speculative_tokens=4),
+            )
+            assert last.stats.draft_tokens > 0
+            if spec == alone:
+                identical += 1
+                continue
+            first = next(i for i, (a, b) in enumerate(zip(alone, spec, strict=False)) if a != b)
+            tie, gap, allowed = near_tie(target_model, prompt + alone[:first])
+            assert tie, f"output {first} differs with a float32 top-two gap of {gap:.3g} (> {allowed:.3g})"
+            ties.append(round(gap, 5))
+        print(f"bfloat16: {identical} of {len(prompts)} identical to the target alone; near ties at {ties}")
+        assert identical >= len(prompts) // 2
+    finally:
+        orchestrator.stop()
+        target.stop()
+        draft.stop()

@@ -1,0 +1,176 @@
+"""The engine: one forward per iteration over every ready job, chunked prefill, cancellation, limits."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from model_host.engine import Engine, EngineLimits, Job, _chunk
+from model_host.forward import Forward, RowLogits
+from model_host.kv_slots import Row
+from serving.errors import ServiceError
+
+VOCAB = 5
+
+
+class FakeForward(Forward):
+    """Records every batch; logits say which slot and position produced them."""
+
+    def __init__(self, delay_s: float = 0.0, fail_on_slot: int | None = None) -> None:
+        self.batches: list[list[Row]] = []
+        self.delay_s = delay_s
+        self.fail_on_slot = fail_on_slot
+
+    def __call__(self, rows: list[Row]) -> RowLogits:
+        self.batches.append(rows)
+        time.sleep(self.delay_s)
+        if any(row.slot == self.fail_on_slot for row in rows):
+            raise RuntimeError("boom")
+        out: RowLogits = []
+        for row in rows:
+            ends = torch.arange(row.start + len(row.token_ids) - row.num_logits, row.start + len(row.token_ids))
+            out.append(ends[:, None].float().expand(-1, VOCAB).clone() if row.num_logits else None)
+        return out
+
+
+class Countdown(Job):
+    """Feeds its tokens, then asks for `more` single tokens, one per iteration."""
+
+    more: int = 0
+    last_logits: torch.Tensor | None = None
+
+    def advance(self, logits: torch.Tensor) -> list[int] | None:
+        self.last_logits = logits
+        if self.more:
+            self.more -= 1
+            return [1]
+        return None
+
+
+def _engine(forward: FakeForward, **limits) -> Engine:
+    engine = Engine(forward, EngineLimits(batch_hold_fraction=0.0, **limits), "test")
+    engine.start()
+    return engine
+
+
+def test_a_long_feed_is_chunked_and_its_logits_come_from_the_last_chunk():
+    assert _chunk(20, 3, 8) == 8 and _chunk(5, 3, 8) == 5 and _chunk(10, 9, 8) == 1
+    forward = FakeForward()
+    engine = _engine(forward, prefill_chunk_tokens=8, max_batch_tokens=64)
+    try:
+        job = Countdown(slot=0, start=0, pending=list(range(20)), num_logits=3)
+        done = engine.submit(job).result(5)
+        assert isinstance(done, Countdown) and done.last_logits is not None
+        assert [len(b[0].token_ids) for b in forward.batches] == [8, 8, 4]
+        assert [b[0].num_logits for b in forward.batches] == [0, 0, 3]
+        assert done.start == 20 and done.last_logits[:, 0].tolist() == [17.0, 18.0, 19.0]
+    finally:
+        engine.stop()
+
+
+def test_jobs_that_arrive_during_a_forward_share_the_next_one():
+    forward = FakeForward(delay_s=0.05)
+    engine = _engine(forward)
+    try:
+        first = engine.submit(Countdown(slot=0, start=0, pending=[1], num_logits=1))
+        time.sleep(0.01)  # the first forward is running
+        later = [engine.submit(Countdown(slot=s, start=0, pending=[1, 2], num_logits=1)) for s in (1, 2, 3)]
+        for future in [first, *later]:
+            future.result(5)
+        assert [sorted(r.slot for r in b) for b in forward.batches] == [[0], [1, 2, 3]]
+    finally:
+        engine.stop()
+
+
+def test_decoding_rows_are_not_padded_to_a_prefills_width():
+    forward = FakeForward(delay_s=0.02)
+    engine = _engine(forward, prefill_chunk_tokens=64, max_batch_tokens=256)
+    try:
+        blocker = engine.submit(Countdown(slot=9, start=0, pending=[1], num_logits=1))
+        time.sleep(0.005)
+        futures = [
+            engine.submit(Countdown(slot=0, start=0, pending=list(range(60)), num_logits=1)),
+            engine.submit(Countdown(slot=1, start=5, pending=[1, 2], num_logits=2)),
+        ]
+        for future in [blocker, *futures]:
+            future.result(5)
+        widths = [sorted(len(r.token_ids) for r in b) for b in forward.batches[1:]]
+        assert widths == [[2], [60]]  # two forwards in one iteration: narrow rows, then the wide one
+    finally:
+        engine.stop()
+
+
+def test_a_draft_like_job_takes_one_iteration_per_token_beside_others():
+    forward = FakeForward()
+    engine = _engine(forward)
+    try:
+        job = Countdown(slot=0, start=3, pending=[7], num_logits=1)
+        job.more = 3
+        assert engine.submit(job).result(5).start == 3 + 1 + 3
+        assert len(forward.batches) == 4
+    finally:
+        engine.stop()
+
+
+def test_limits_a_failing_batch_and_a_cancelled_job():
+    forward = FakeForward(delay_s=0.05, fail_on_slot=1)
+    engine = _engine(forward, max_batch_size=2)
+    try:
+        blocker = engine.submit(Countdown(slot=0, start=0, pending=[1], num_logits=1))
+        time.sleep(0.01)
+        cancelled = Countdown(slot=5, start=0, pending=[1], num_logits=1)
+        engine.submit(cancelled)
+        assert cancelled.future.cancel()  # still queued: it never runs
+        failing = engine.submit(Countdown(slot=1, start=0, pending=[1], num_logits=1))
+        blocker.result(5)
+        with pytest.raises(ServiceError) as error:
+            failing.result(5)
+        assert error.value.code == grpc.StatusCode.INTERNAL and "boom" in error.value.message
+        assert all(r.slot != 5 for b in forward.batches for r in b)
+        assert engine.submit(Countdown(slot=2, start=0, pending=[1], num_logits=1)).result(5)  # still serving
+    finally:
+        engine.stop()
+
+
+def test_a_step_that_waits_too_long_is_refused_as_busy():
+    forward = FakeForward(delay_s=0.2)
+    engine = _engine(forward, max_batch_size=1, max_queue_wait_s=0.05)
+    try:
+        first = engine.submit(Countdown(slot=0, start=0, pending=[1], num_logits=1))
+        second = engine.submit(Countdown(slot=1, start=0, pending=[1], num_logits=1))
+        first.result(5)
+        with pytest.raises(ServiceError) as error:
+            second.result(5)
+        assert error.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "busy" in error.value.message
+    finally:
+        engine.stop()
+
+
+def test_the_hold_gathers_sessions_that_come_back_together():
+    """Sessions that stepped together come back a little apart; the engine waits for them (bounded)."""
+    forward = FakeForward(delay_s=0.02)
+    engine = Engine(forward, EngineLimits(batch_hold_fraction=0.9), "test")
+    engine.start()
+    try:
+        futures = [engine.submit(Countdown(slot=s, start=0, pending=[1], num_logits=1)) for s in range(4)]
+        for future in futures:
+            future.result(5)
+        forward.batches.clear()
+        results = []
+
+        def step(slot: int) -> None:
+            time.sleep(0.003 * slot)  # the orchestrator answers them one after another
+            results.append(engine.submit(Countdown(slot=slot, start=1, pending=[1], num_logits=1)).result(5))
+
+        threads = [threading.Thread(target=step, args=(s,)) for s in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert len(results) == 4 and [len(b) for b in forward.batches] == [4]
+    finally:
+        engine.stop()
