@@ -47,24 +47,27 @@ class SlotStore:
         """Room for `slots` slots of `capacity` positions (the scratch column included)."""
         if slots <= self.slots and capacity <= self.capacity:
             return
+        if capacity > self.max_capacity:
+            raise ValueError(f"{capacity - 1} positions exceed the model's context of {self.max_capacity - 1}")
         while self.slots < slots:
             self.slots *= 2
         while self.capacity < capacity:
             self.capacity = min(self.capacity * 2, self.max_capacity)
-        if capacity > self.capacity:
-            raise ValueError(f"{capacity - 1} positions exceed the model's context of {self.max_capacity - 1}")
         for store in (self.keys, self.values):
             for layer, old in store.items():
-                grown = old.new_empty((self.slots, old.shape[1], self.capacity, old.shape[3]))
+                grown = old.new_zeros((self.slots, old.shape[1], self.capacity, old.shape[3]))
                 grown[: old.shape[0], :, : old.shape[2]] = old
                 store[layer] = grown
 
     def layer(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's key and value tensors, allocated on first use in the shape of `like` [B, H, T, D]."""
         if index not in self.keys:
+            # Zeros, not uninitialised memory: a batch reads every row's window up to the longest
+            # row, masked positions included, and attention turns a masked NaN into a NaN output
+            # (the mask is added to the scores, and a zero weight times a NaN value is NaN).
             shape = (self.slots, like.shape[1], self.capacity, like.shape[3])
-            self.keys[index] = torch.empty(shape, dtype=self.dtype, device=self.device)
-            self.values[index] = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self.keys[index] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.values[index] = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return self.keys[index], self.values[index]
 
     def move(self, source: int, destination: int, length: int) -> None:
