@@ -1,6 +1,6 @@
 """The accept/reject step of speculative decoding: a pure function, tensors in, tokens out.
 
-Notation (DESIGN.md): the draft proposed k tokens `draft_token_ids`, sampled from `draft_probs`
+Notation (docs/design.md): the draft proposed k tokens `draft_token_ids`, sampled from `draft_probs`
 (the draft's distributions, q). The target scored the k + 1 positions that end with them:
 `target_probs` (p) or, for greedy, `target_argmax`. Left to right:
 - accepted: a draft token kept (greedy: equals the target's argmax; sampling: kept with
