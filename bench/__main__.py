@@ -27,7 +27,7 @@ from tqdm import tqdm
 from bench.load import run_load
 from bench.report import as_json, plot, summarise, table
 from bench.runs import Config, HuggingFaceRunner, Sample, ServiceRunner, default_configs
-from default_models.prompts import held_out_prompts
+from default_models.prompts import edit_prompts, held_out_prompts
 from model_host.loading import load_model
 from orchestrator.local_stack import LocalStack
 
@@ -93,6 +93,8 @@ def _run_one(
         draft_seconds=float(stats.get("draft_seconds", 0.0)),
         target_seconds=float(stats.get("target_seconds", 0.0)),
         wire_bytes=int(stats.get("wire_bytes", 0)),
+        ngram_draft_tokens=int(stats.get("ngram_draft_tokens", 0)),
+        ngram_accepted_tokens=int(stats.get("ngram_accepted_tokens", 0)),
         token_ids=result.token_ids,
     )
 
@@ -105,6 +107,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--target-model", default=None, help="overrides PAIR/target")
     parser.add_argument("--draft-model", default=None, help="overrides PAIR/draft")
     parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument(
+        "--prompt-set",
+        choices=("held_out", "edit"),
+        default="held_out",
+        help="held_out: function headers; edit: bench/edit_prompts.json (a function, then its header again)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-k", type=int, default=8)
@@ -124,13 +132,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+    prompts = held_out_prompts(args.prompts) if args.prompt_set == "held_out" else edit_prompts(args.prompts)
     if args.concurrency:
-        return run_load(args, held_out_prompts(args.prompts))
+        return run_load(args, prompts)
     configs = default_configs(args.max_k)
     if args.only:
         wanted = {"target alone", *(n.strip() for n in args.only.split(","))}
         configs = [c for c in configs if c.name in wanted]
-    prompts = held_out_prompts(args.prompts)
     samples = run_all(args, configs, prompts)
     rows = summarise(samples, configs)
     print(table(rows))
@@ -139,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date": stamp,
         "target_model": args.target_model,
         "draft_model": args.draft_model,
+        "prompt_set": args.prompt_set,
         "prompts": prompts,
         "reps": args.reps,
         "max_new_tokens": args.max_new_tokens,

@@ -35,6 +35,9 @@ class Row:
     overhead_ms_per_round: float | None = None  # wall-clock minus draft and target compute
     wire_bytes_per_round: float | None = None
     per_position_acceptance: list[float] = field(default_factory=list)
+    ngram_share: float | None = None  # of drafted tokens, those the prompt lookup proposed
+    ngram_acceptance: float | None = None  # accepted / drafted, lookup tokens only
+    model_acceptance: float | None = None  # accepted / drafted, draft-model tokens only
     exact: bool | None = None  # greedy: token ids equal to the target alone on every prompt
 
 
@@ -109,6 +112,13 @@ def summarise(samples: list[Sample], configs: list[Config]) -> list[Row]:
                     for i in range(width)
                 ]
                 row.per_position_acceptance = [t / draft_rounds for t in totals]
+                looked_up = sum(s.ngram_draft_tokens for s in these)
+                looked_up_accepted = sum(s.ngram_accepted_tokens for s in these)
+                row.ngram_share = looked_up / drafted
+                if looked_up:
+                    row.ngram_acceptance = looked_up_accepted / looked_up
+                if drafted > looked_up:
+                    row.model_acceptance = (accepted - looked_up_accepted) / (drafted - looked_up)
                 if config.policy == "fixed" and not config.overlap and target_one > 0 and row.target_ms_per_round:
                     # Leviathan et al.: E / (K c + v(K)), from the measured forward costs.
                     cost_ratio = (draft / drafted) / target_one
@@ -126,7 +136,8 @@ def _fmt(value: float | None, spec: str) -> str:
 def table(rows: list[Row]) -> str:
     header = (
         f"{'mode':<9}{'config':<27}{'tok/s':>8}{'range':>14}{'x base':>8}{'x HF':>7}{'x bound':>8}"
-        f"{'accept':>8}{'len':>6}{'draft ms':>9}{'target ms':>10}{'other ms':>9}{'B/round':>9}{'exact':>7}"
+        f"{'accept':>8}{'model':>7}{'ngram':>7}{'len':>6}{'draft ms':>9}{'target ms':>10}{'other ms':>9}"
+        f"{'B/round':>9}{'exact':>7}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -134,7 +145,8 @@ def table(rows: list[Row]) -> str:
             f"{r.mode:<9}{r.config:<27}{r.tokens_per_second:>8.1f}"
             f"{f'{r.tokens_per_second_min:.0f}-{r.tokens_per_second_max:.0f}':>14}"
             f"{r.speedup:>8.2f}{_fmt(r.vs_hf, '.2f'):>7}{_fmt(r.vs_bound, '.2f'):>8}"
-            f"{_fmt(r.acceptance_rate, '.3f'):>8}{_fmt(r.acceptance_length, '.2f'):>6}"
+            f"{_fmt(r.acceptance_rate, '.3f'):>8}{_fmt(r.model_acceptance, '.2f'):>7}"
+            f"{_fmt(r.ngram_acceptance, '.2f'):>7}{_fmt(r.acceptance_length, '.2f'):>6}"
             f"{_fmt(r.draft_ms_per_round, '.2f'):>9}{_fmt(r.target_ms_per_round, '.2f'):>10}"
             f"{_fmt(r.overhead_ms_per_round, '.2f'):>9}{_fmt(r.wire_bytes_per_round, '.0f'):>9}"
             f"{'-' if r.exact is None else ('yes' if r.exact else 'NO'):>7}"

@@ -11,7 +11,7 @@ import torch
 
 from model_host.loading import LoadedModel
 from orchestrator.client import GenerateResult, generate
-from serving.protocol import POLICY_BY_NAME
+from serving.protocol import DRAFT_METHOD_BY_NAME, POLICY_BY_NAME
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 
@@ -24,6 +24,7 @@ class Config:
     k: int = 0
     policy: str = "fixed"
     overlap: bool = False
+    method: str = "model"  # who proposes: model, ngram or hybrid
 
 
 @dataclass
@@ -44,6 +45,8 @@ class Sample:
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     wire_bytes: int = 0
+    ngram_draft_tokens: int = 0
+    ngram_accepted_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
 
     @property
@@ -59,6 +62,11 @@ def default_configs(max_k: int) -> list[Config]:
         Config("specdec cost_model", "specdec", 4, "cost_model"),
         Config("specdec K=4 overlap", "specdec", 4, "fixed", overlap=True),
         Config("specdec heuristic overlap", "specdec", 4, "heuristic", overlap=True),
+        Config("specdec load_aware", "specdec", 16, "load_aware"),
+        Config("ngram K=4", "specdec", 4, method="ngram"),
+        Config("ngram load_aware", "specdec", 16, "load_aware", method="ngram"),
+        Config("hybrid K=4", "specdec", 4, method="hybrid"),
+        Config("hybrid load_aware", "specdec", 16, "load_aware", method="hybrid"),
         Config("HF target alone", "hf", 0),
         Config("HF assisted K=4", "hf", 4, "fixed"),
         Config("HF assisted heuristic", "hf", 4, "heuristic"),
@@ -84,6 +92,7 @@ class ServiceRunner:
             num_speculative_tokens=config.k,
             speculation_policy=POLICY_BY_NAME[config.policy],
             overlap_drafting=config.overlap,
+            draft_method=DRAFT_METHOD_BY_NAME[config.method],
             **sampling_fields(mode, seed),
         )
         return generate(self.stub, request)

@@ -9,6 +9,7 @@ whitespace would hand the model a token sequence it never saw in training.
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 from default_models.corpus import load_corpus, read_text
@@ -54,3 +55,45 @@ def held_out_prompts(count: int, stdlib: Path | None = None) -> list[str]:
         raise RuntimeError("no held-out functions found; is the Python standard library source installed?")
     step = max(1, len(headers) // count)
     return headers[::step][:count]
+
+
+EDIT_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "edit_prompts.json"
+
+
+def make_edit_prompts(count: int, stdlib: Path | None = None) -> list[str]:
+    """Edit-style prompts from the held-out modules: a whole function (6 to 15 lines), two blank lines,
+    then the same function's header, so that the continuation may copy the body it was shown."""
+    prompts: list[str] = []
+    for path in load_corpus(stdlib).held_out_files:
+        text = read_text(path)
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        lines = text.splitlines(keepends=True)
+        for node in ast.walk(tree):
+            if (
+                not isinstance(node, ast.FunctionDef)
+                or node.decorator_list
+                or not 6 <= node.end_lineno - node.lineno <= 15
+            ):
+                continue
+            header = _header(lines, node)
+            offset = node.col_offset
+            source = "".join(
+                line[offset:] if line[:offset].isspace() else line for line in lines[node.lineno - 1 : node.end_lineno]
+            ).rstrip()
+            if header and header.endswith(":") and len(source) < 900:
+                prompts.append(f"{source}\n\n\n{header}")
+    step = max(1, len(prompts) // count)
+    return prompts[::step][:count]
+
+
+def edit_prompts(count: int) -> list[str]:
+    """The committed edit-style prompt set (`python -m default_models.prompts` wrote it)."""
+    return list(json.loads(EDIT_PROMPTS.read_text()))[:count]
+
+
+if __name__ == "__main__":
+    EDIT_PROMPTS.write_text(json.dumps(make_edit_prompts(16), indent=1) + "\n")
+    print(f"wrote {EDIT_PROMPTS}")

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from serving.config import add_config_arguments
-from serving.protocol import POLICIES
+from serving.protocol import DRAFT_METHODS, POLICIES
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,9 @@ class OrchestratorConfig:
     num_speculative_tokens: int = 2
     speculation_policy: str = "fixed"
     overlap_drafting: bool = False
+    draft_method: str = "model"
+    ngram_min: int = 2
+    ngram_max: int = 4
     min_confidence: float = 0.0
     draft_timeout_s: float = 10.0
     draft_retry_after_s: float = 5.0
@@ -52,6 +55,9 @@ _HELP: dict[str, str] = {
     "num_speculative_tokens": "K for requests that leave it unset",
     "speculation_policy": "how K changes between rounds: " + ", ".join(POLICIES),
     "overlap_drafting": "draft the next block while the target verifies the current one",
+    "draft_method": "who proposes draft tokens for requests that leave it unset: " + ", ".join(DRAFT_METHODS),
+    "ngram_min": "prompt lookup: the shortest suffix (in tokens) that may match",
+    "ngram_max": "prompt lookup: the longest suffix tried first",
     "min_confidence": "the draft stops a block when its own token's probability is below this (0 never)",
     "draft_timeout_s": "a draft step slower than this falls back to the target alone for the round",
     "draft_retry_after_s": "seconds before an unavailable draft is tried again",
@@ -78,6 +84,10 @@ def parse_orchestrator_config(argv: Sequence[str] | None = None) -> Orchestrator
         parser.error("--target is required (HOST:PORT of the target service), or set SPECDEC_TARGET")
     if config.speculation_policy not in POLICIES:
         parser.error(f"--speculation-policy must be one of {', '.join(POLICIES)}")
+    if config.draft_method not in DRAFT_METHODS:
+        parser.error(f"--draft-method must be one of {', '.join(DRAFT_METHODS)}")
+    if not 1 <= config.ngram_min <= config.ngram_max:
+        parser.error("--ngram-min and --ngram-max need 1 <= --ngram-min <= --ngram-max")
     if not 0 <= config.num_speculative_tokens <= config.max_speculative_tokens:
         parser.error("--num-speculative-tokens must be in [0, --max-speculative-tokens]")
     return config

@@ -94,10 +94,11 @@ class ServiceLoad:
         overhead = max(0.0, wall_seconds - timing.forward_seconds)
         self.draft_overhead_s = _DECAY * self.draft_overhead_s + (1 - _DECAY) * overhead
 
-    def round_seconds(self, k: int) -> float:
-        """Expected wall time of one synchronous round at K = k, if every session drafts k."""
+    def round_seconds(self, k: int, drafting: bool = True) -> float:
+        """Expected wall time of one synchronous round at K = k, if every session proposes k tokens;
+        without `drafting`, the proposal costs nothing (a prompt lookup)."""
         batch = max(1.0, self.batch_size)
         verify = self.target.seconds(batch * (k + 1)) + self.target_overhead_s
-        if k == 0:
+        if k == 0 or not drafting:
             return verify
         return k * self.draft.seconds(batch) + self.draft_overhead_s + verify

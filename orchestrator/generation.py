@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -21,6 +21,8 @@ import torch
 from orchestrator.costs import ServiceLoad
 from orchestrator.k_policy import KPolicy
 from orchestrator.metrics import CHOSEN_K
+from orchestrator.ngram import NgramIndex
+from orchestrator.proposals import MODEL, NGRAM, NO_DRAFT, Draft, Stats, point_masses
 from orchestrator.rejection import Verdict, verify_greedy, verify_sampled
 from orchestrator.upstream import SessionStream
 from serving.errors import ServiceError
@@ -46,6 +48,9 @@ class GenerationRequest:
     num_speculative_tokens: int  # K to start with; 0 is the target alone
     overlap_drafting: bool
     min_confidence: float
+    draft_method: str = MODEL  # MODEL, NGRAM, or "hybrid" (the lookup when it matches, else the model)
+    ngram_min: int = 2
+    ngram_max: int = 4
 
 
 @dataclass(frozen=True)
@@ -94,85 +99,6 @@ def is_draft_fault(exc: BaseException) -> bool:
     return isinstance(exc, TimeoutError | WireFormatError)
 
 
-@dataclass
-class Stats:
-    """Counts and timings of one generation, converted to proto at the edge."""
-
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    rounds: int = 0
-    rounds_with_draft: int = 0
-    overlapped_rounds: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    draft_seconds: float = 0.0
-    target_seconds: float = 0.0
-    total_seconds: float = 0.0
-    time_to_first_token_seconds: float = 0.0
-    draft_fallback_rounds: int = 0
-
-    def record_round(self, verdict: Verdict) -> None:
-        self.rounds += 1
-        self.rounds_with_draft += verdict.num_drafted > 0
-        self.draft_tokens += verdict.num_drafted
-        self.accepted_tokens += verdict.num_accepted
-        if len(self.accepted_per_position) < verdict.num_drafted:
-            self.accepted_per_position.extend([0] * (verdict.num_drafted - len(self.accepted_per_position)))
-        for position in range(verdict.num_accepted):
-            self.accepted_per_position[position] += 1
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
-    def to_proto(self, reopens: int, wire_bytes: int) -> orchestrator_pb2.GenerationStats:
-        return orchestrator_pb2.GenerationStats(
-            prompt_tokens=self.prompt_tokens,
-            output_tokens=self.output_tokens,
-            rounds=self.rounds,
-            draft_tokens=self.draft_tokens,
-            accepted_tokens=self.accepted_tokens,
-            accepted_per_position=self.accepted_per_position,
-            draft_seconds=self.draft_seconds,
-            target_seconds=self.target_seconds,
-            other_seconds=max(0.0, self.total_seconds - self.draft_seconds - self.target_seconds),
-            total_seconds=self.total_seconds,
-            time_to_first_token_seconds=self.time_to_first_token_seconds,
-            session_reopens=reopens,
-            draft_fallback_rounds=self.draft_fallback_rounds,
-            wire_bytes=wire_bytes,
-            draft_rounds=self.rounds_with_draft,
-            overlapped_rounds=self.overlapped_rounds,
-        )
-
-
-@dataclass(frozen=True)
-class Draft:
-    """One block of draft tokens and the rows they were sampled from."""
-
-    token_ids: list[int]  # [k]
-    probs: torch.Tensor | None  # [k, vocab]; None for greedy
-    forward_seconds: float = 0.0  # the draft service's forward time for this block
-    fed: int = 0  # the draft session's valid length right after drafting this block
-
-    def first(self, k: int) -> Draft:
-        """The first k tokens (a ready block may be longer than this round allows)."""
-        if k >= len(self.token_ids):
-            return self
-        probs = self.probs[:k] if self.probs is not None else None
-        # The draft session fed every token of the block but its last; the dropped tail is not valid.
-        fed = self.fed - (len(self.token_ids) - k)
-        return Draft(self.token_ids[:k], probs, self.forward_seconds, fed)
-
-    def rest(self) -> Draft:
-        """All but the first token (which turned out to be the bonus token); costs nothing more."""
-        probs = self.probs[1:] if self.probs is not None else None
-        return Draft(self.token_ids[1:], probs, 0.0, self.fed)
-
-
-NO_DRAFT = Draft(token_ids=[], probs=None)
-
 DraftStream = SessionStream[draft_pb2.DraftRequest, draft_pb2.DraftResponse]
 TargetStream = SessionStream[target_pb2.VerifyRequest, target_pb2.VerifyResponse]
 
@@ -191,6 +117,7 @@ class Generation:
         draft_timeout_s: float,
         target_timeout_s: float = 60.0,
         load: ServiceLoad | None = None,
+        lookup_policy: KPolicy | None = None,
     ) -> None:
         self.request = request
         self.limits = limits
@@ -202,6 +129,11 @@ class Generation:
         self.target_timeout_s = target_timeout_s
         self.load = load  # learns from every step's timing, for the load-aware policy
         self.sequence = list(request.prompt_token_ids)
+        self.lookup: NgramIndex | None = None  # prompt lookup, for the ngram and hybrid methods
+        self.lookup_policy = lookup_policy  # K for lookup blocks, which cost nothing to draft
+        if request.draft_method != MODEL and lookup_policy is not None:
+            self.lookup = NgramIndex(request.ngram_min, request.ngram_max)
+            self.lookup.extend(self.sequence)
         self.generator = seeded_generator(request.seed)
         self.drafting_refused = False  # the draft refused this request's steps: no more drafting for it
         self.sampling_proto = request.sampling.to_proto()  # the same for every round
@@ -216,13 +148,17 @@ class Generation:
         produced = 0
         ready: Draft | None = None  # a block drafted during the previous verification, still valid
         while self.finish_reason == orchestrator_pb2.FINISH_REASON_UNSPECIFIED:
-            k = self._round_k(produced)
-            CHOSEN_K.observe(k)
-            if ready is not None and k:
-                draft = ready.first(k)
-                self.stats.overlapped_rounds += 1
+            draft = self._lookup(produced)
+            if draft.token_ids:
+                ready = None  # a block the model drafted ahead no longer follows the sequence
             else:
-                draft = await self._propose(self.sequence, k) if k else NO_DRAFT
+                k = self._round_k(produced)
+                if ready is not None and k:
+                    draft = ready.first(k)
+                    self.stats.overlapped_rounds += 1
+                else:
+                    draft = await self._propose(self.sequence, k) if k else NO_DRAFT
+            CHOSEN_K.observe(len(draft.token_ids))
             guess_k = self._guess_k(produced, draft)
             if guess_k:
                 # Draft the next block as if this one were all accepted, while the target verifies.
@@ -239,8 +175,12 @@ class Generation:
             else:
                 verdict, target_seconds = await self._verify(draft)
                 speculative = NO_DRAFT
-            self.policy.observe(verdict, draft.forward_seconds, target_seconds)
-            self.stats.record_round(verdict)
+            if draft.proposer == NGRAM:
+                assert self.lookup_policy is not None
+                self.lookup_policy.observe(verdict, 0.0, target_seconds)
+            else:
+                self.policy.observe(verdict, draft.forward_seconds, target_seconds)
+            self.stats.record_round(verdict, draft.proposer)
             tokens = self._commit(verdict)
             ready = self._still_valid(speculative, verdict, tokens)
             produced += len(tokens)
@@ -251,10 +191,30 @@ class Generation:
             self._check_finished(tokens, produced)
             yield tokens
 
+    def _lookup(self, produced: int) -> Draft:
+        """This round's prompt-lookup block, or NO_DRAFT (no lookup, no match, or K = 0 pays best)."""
+        if self.lookup is None or self.lookup_policy is None:
+            return NO_DRAFT
+        k = max(0, min(self.lookup_policy.next_k(), self._room(produced)))
+        token_ids = self.lookup.propose(k)
+        if not token_ids:
+            if k == 0:
+                self.lookup_policy.observe(Verdict([], 0, 0))  # a round at K = 0, for its probes
+            return NO_DRAFT
+        probs = None if self.request.sampling.greedy else point_masses(token_ids, self.limits.vocab_size)
+        return Draft(token_ids=token_ids, probs=probs, proposer=NGRAM)
+
+    def _room(self, produced: int) -> int:
+        """The most tokens a block may propose without a round overshooting a limit."""
+        return min(
+            self.request.max_new_tokens - produced - 1,  # a round outputs at most k + 1 tokens
+            self.limits.target_max_context - len(self.sequence) - 1,
+        )
+
     def _guess_k(self, produced: int, draft: Draft) -> int:
         """Tokens to draft ahead during verification: the bonus guess plus next round's K, or 0 when
-        overlap is off or no next round could use them."""
-        if not self.request.overlap_drafting or not draft.token_ids:
+        overlap is off, the block is not the model's, or no next round could use them."""
+        if not self.request.overlap_drafting or not draft.token_ids or draft.proposer != MODEL:
             return 0
         after = len(self.sequence) + len(draft.token_ids) + 1  # if all accepted, plus the bonus token
         next_k = min(
@@ -293,8 +253,7 @@ class Generation:
             min(
                 self.policy.next_k(),
                 self.limits.draft_max_speculative_tokens,
-                self.request.max_new_tokens - produced - 1,  # a round outputs at most k + 1 tokens
-                self.limits.target_max_context - n - 1,
+                self._room(produced),
                 self.limits.draft_max_context - n,
             ),
         )
@@ -395,6 +354,8 @@ class Generation:
                 self.finish_reason = orchestrator_pb2.FINISH_REASON_EOS
                 break
         self.sequence.extend(tokens)
+        if self.lookup is not None:
+            self.lookup.extend(tokens)
         # Both caches hold the old sequence plus the draft tokens they were fed; the accepted ones stay.
         self.target.fed = n + verdict.num_accepted
         if self.draft is not None:

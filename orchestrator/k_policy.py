@@ -115,10 +115,12 @@ class LoadAwareK(KPolicy):
         decay: float = 0.9,
         probe_every: int = 8,
         margin: float = 1.1,
+        drafts_cost: bool = True,
     ) -> None:
         super().__init__(initial_k, max_k)
         self.load = load
         self.margin = margin
+        self.drafts_cost = drafts_cost  # False for prompt lookups: only verifying costs
         self.decay = decay
         self.probe_every = probe_every
         # The acceptance estimate starts as `prior_weight` trials at `prior_acceptance`.
@@ -136,7 +138,10 @@ class LoadAwareK(KPolicy):
         if self._rounds_without_draft >= self.probe_every:
             return 1  # a probe: one cheap draft token refreshes the acceptance estimate
         rate = min(self.acceptance_rate, 0.99)
-        goodput = [expected_tokens(rate, k) / max(self.load.round_seconds(k), 1e-9) for k in range(self.max_k + 1)]
+        goodput = [
+            expected_tokens(rate, k) / max(self.load.round_seconds(k, self.drafts_cost), 1e-9)
+            for k in range(self.max_k + 1)
+        ]
         best = max(range(1, self.max_k + 1), key=goodput.__getitem__)
         # Speculate only for a clear predicted gain: the estimates are noisy, and a wrong K > 0 makes
         # the request slower than the target alone, which a wrong K = 0 never does.
@@ -152,11 +157,14 @@ class LoadAwareK(KPolicy):
         self._trials = self.decay * self._trials + trials
 
 
-def make_policy(name: str, initial_k: int, max_k: int, load: ServiceLoad | None = None) -> KPolicy:
-    """The policy called `name` (one of orchestrator.config.POLICIES)."""
+def make_policy(
+    name: str, initial_k: int, max_k: int, load: ServiceLoad | None = None, drafts_cost: bool = True
+) -> KPolicy:
+    """The policy called `name` (one of serving.protocol.POLICIES); `drafts_cost` is False for the
+    prompt lookup's blocks, which cost nothing to propose."""
     if name == "load_aware":
         if load is None:
             raise ValueError("the load_aware policy needs the services' load")
-        return LoadAwareK(initial_k, max_k, load)
+        return LoadAwareK(initial_k, max_k, load, drafts_cost=drafts_cost)
     policies: dict[str, type[KPolicy]] = {"fixed": FixedK, "heuristic": HeuristicK, "cost_model": CostModelK}
     return policies[name](initial_k, max_k)

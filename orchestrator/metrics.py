@@ -13,6 +13,8 @@ NUM_ACCEPTED_TOKENS = Counter("specdec:spec_decode_num_accepted_tokens", "Draft 
 ACCEPTED_PER_POSITION = Counter(
     "specdec:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each position", ["position"]
 )
+NGRAM_DRAFT_TOKENS = Counter("specdec:ngram_draft_tokens", "Draft tokens proposed by the prompt lookup")
+NGRAM_ACCEPTED_TOKENS = Counter("specdec:ngram_accepted_tokens", "Prompt-lookup draft tokens accepted")
 GENERATION_TOKENS = Counter("specdec:generation_tokens", "Output tokens streamed to clients")
 PROMPT_TOKENS = Counter("specdec:prompt_tokens", "Prompt tokens received")
 REQUESTS_FINISHED = Counter("specdec:request_success", "Finished requests by finish reason", ["finished_reason"])

@@ -23,14 +23,21 @@ from orchestrator.generation import (
     Generation,
     GenerationRequest,
     ModelLimits,
-    Stats,
     TargetStream,
 )
 from orchestrator.k_policy import make_policy
+from orchestrator.proposals import MODEL, NGRAM, Stats
 from orchestrator.text import TextStream
 from orchestrator.upstream import ReplicaPool, SessionStream
 from serving.errors import ServiceError, failed_precondition, invalid_argument
-from serving.protocol import POLICIES, POLICY_BY_ENUM, POLICY_BY_NAME
+from serving.protocol import (
+    DRAFT_METHOD_BY_ENUM,
+    DRAFT_METHOD_BY_NAME,
+    DRAFT_METHODS,
+    POLICIES,
+    POLICY_BY_ENUM,
+    POLICY_BY_NAME,
+)
 from serving.sampling import SamplingParams
 from serving.vocab import tokenizer_fingerprint
 from specdec.v1 import common_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2_grpc
@@ -192,6 +199,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             default_num_speculative_tokens=self.config.num_speculative_tokens if self.draft else 0,
             default_speculation_policy=POLICY_BY_NAME[self.config.speculation_policy],
             default_overlap_drafting=self.config.overlap_drafting,
+            default_draft_method=DRAFT_METHOD_BY_NAME[self.config.draft_method],
         )
         if self.draft and self.draft.info:
             response.draft.CopyFrom(self.draft.info)
@@ -249,17 +257,22 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 f"speculation_policy {request.speculation_policy} is unknown; use one of {', '.join(POLICIES)}"
             )
         policy = POLICY_BY_ENUM.get(request.speculation_policy, cfg.speculation_policy)
+        if request.draft_method and request.draft_method not in DRAFT_METHOD_BY_ENUM:
+            raise invalid_argument(
+                f"draft_method {request.draft_method} is unknown; use one of {', '.join(DRAFT_METHODS)}"
+            )
+        method = DRAFT_METHOD_BY_ENUM.get(request.draft_method, cfg.draft_method)
+        can_draft = self.draft is not None or method != MODEL  # the lookup needs no draft service
         # Under load_aware, K is an upper bound, by default the server's cap.
-        default_k = (
-            (cfg.max_speculative_tokens if policy == "load_aware" else cfg.num_speculative_tokens) if self.draft else 0
-        )
-        k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else default_k
+        default_k = cfg.max_speculative_tokens if policy == "load_aware" else cfg.num_speculative_tokens
+        k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else default_k * can_draft
         if not 0 <= k <= cfg.max_speculative_tokens:
             raise invalid_argument(f"num_speculative_tokens must be in [0, {cfg.max_speculative_tokens}]; got {k}")
-        if k > 0 and self.draft is None:
+        if k > 0 and not can_draft:
             raise failed_precondition(
-                "num_speculative_tokens > 0 needs a draft service, and this orchestrator has none "
-                "(start it with --draft HOST:PORT, or send num_speculative_tokens = 0)"
+                "num_speculative_tokens > 0 with the model draft method needs a draft service, and this "
+                "orchestrator has none (start it with --draft HOST:PORT, use draft_method NGRAM, or send "
+                "num_speculative_tokens = 0)"
             )
         if len(request.stop) > _MAX_STOP_STRINGS or any(not 0 < len(s) <= _MAX_STOP_CHARS for s in request.stop):
             raise invalid_argument(
@@ -277,6 +290,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             num_speculative_tokens=k,
             overlap_drafting=overlap and k > 0,
             min_confidence=cfg.min_confidence,
+            draft_method=method,
+            ngram_min=cfg.ngram_min,
+            ngram_max=cfg.ngram_max,
         )
         return generation_request, policy
 
@@ -304,21 +320,26 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             attempts=cfg.target_attempts,
             backoff_s=cfg.target_backoff_s,
         )
+        k, method = request.num_speculative_tokens, request.draft_method
         draft: DraftStream | None = None
-        if self.draft is not None and self.draft.info is not None and request.num_speculative_tokens > 0:
+        if self.draft is not None and self.draft.info is not None and k > 0 and method != NGRAM:
             draft = SessionStream(
                 self.draft.pool, lambda stub, metadata: stub.Draft(metadata=metadata), request.request_id, attempts=1
             )
+        lookup_policy = None
+        if method != MODEL and k > 0:
+            lookup_policy = make_policy(policy, k, cfg.max_speculative_tokens, self.load, drafts_cost=False)
         return Generation(
             request,
             self._limits(),
             target,
             draft,
             self.availability,
-            make_policy(policy, request.num_speculative_tokens, cfg.max_speculative_tokens, self.load),
+            make_policy(policy, k, cfg.max_speculative_tokens, self.load),
             cfg.draft_timeout_s,
             cfg.target_timeout_s,
             self.load,
+            lookup_policy,
         )
 
     async def Generate(
@@ -385,6 +406,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         metrics.NUM_DRAFT_TOKENS.inc(stats.draft_tokens)
         metrics.NUM_ACCEPTED_TOKENS.inc(stats.accepted_tokens)
         metrics.NUM_DRAFTS.inc(stats.rounds_with_draft)
+        metrics.NGRAM_DRAFT_TOKENS.inc(stats.ngram_draft_tokens)
+        metrics.NGRAM_ACCEPTED_TOKENS.inc(stats.ngram_accepted_tokens)
         for position, count in enumerate(stats.accepted_per_position):
             metrics.ACCEPTED_PER_POSITION.labels(str(position)).inc(count)
         metrics.SESSION_REOPENS.inc(generation.reopens)
@@ -403,6 +426,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             rounds=stats.rounds,
             draft_tokens=stats.draft_tokens,
             accepted_tokens=stats.accepted_tokens,
+            ngram_draft_tokens=stats.ngram_draft_tokens,
+            ngram_accepted_tokens=stats.ngram_accepted_tokens,
             acceptance_rate=round(stats.acceptance_rate, 3),
             total_seconds=round(stats.total_seconds, 4),
             tokens_per_second=round(stats.output_tokens / stats.total_seconds, 1) if stats.total_seconds else 0.0,

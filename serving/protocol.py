@@ -16,3 +16,12 @@ POLICY_BY_NAME: dict[str, orchestrator_pb2.SpeculationPolicy] = {
 }
 POLICY_BY_ENUM: dict[int, str] = {value: name for name, value in POLICY_BY_NAME.items()}
 POLICIES = tuple(POLICY_BY_NAME)
+
+# Draft methods by name and their wire enum.
+DRAFT_METHOD_BY_NAME: dict[str, orchestrator_pb2.DraftMethod] = {
+    "model": orchestrator_pb2.DRAFT_METHOD_MODEL,
+    "ngram": orchestrator_pb2.DRAFT_METHOD_NGRAM,
+    "hybrid": orchestrator_pb2.DRAFT_METHOD_HYBRID,
+}
+DRAFT_METHOD_BY_ENUM: dict[int, str] = {value: name for name, value in DRAFT_METHOD_BY_NAME.items()}
+DRAFT_METHODS = tuple(DRAFT_METHOD_BY_NAME)

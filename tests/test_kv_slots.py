@@ -15,7 +15,7 @@ from model_host.kv_slots import Row, SlotStore
 from tests.tiny_models import tiny_llama
 
 
-def _models() -> dict[str, torch.nn.Module]:
+def _models() -> dict:
     torch.manual_seed(0)
     qwen = Qwen2Config(
         vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -29,7 +29,7 @@ def _models() -> dict[str, torch.nn.Module]:
     }
 
 
-def _store(model: torch.nn.Module) -> SlotStore:
+def _store(model) -> SlotStore:
     return SlotStore(torch.device("cpu"), torch.float32, model.config.max_position_embeddings)
 
 

@@ -120,11 +120,13 @@ def close_table(tables: tuple[dict, dict]) -> dict:
     return LogitsTable(perturbed_copy(target_logits.model, 0.1, seed=7), NEW_TOKENS + 2)
 
 
-def exact_distribution(target_logits: dict, params: SamplingParams) -> dict[tuple[int, ...], float]:
+def exact_distribution(
+    target_logits: dict, params: SamplingParams, prompt: list[int] = PROMPT
+) -> dict[tuple[int, ...], float]:
     """P(x1, x2, x3) = p(x1 | prompt) p(x2 | prompt x1) p(x3 | prompt x1 x2) under the processed rows."""
 
     def probs(prefix: tuple[int, ...]) -> torch.Tensor:
-        return logits_to_probs(target_logits[tuple(PROMPT) + prefix][None], params)[0].double()
+        return logits_to_probs(target_logits[tuple(prompt) + prefix][None], params)[0].double()
 
     out = {}
     for outcome in itertools.product(range(VOCAB), repeat=NEW_TOKENS):
@@ -153,35 +155,45 @@ def chi_square_pvalue(counts: Counter, expected: dict[tuple[int, ...], float], s
 
 
 async def _sample_many(
-    tables: tuple[dict, dict], params: SamplingParams, k: int, samples: int, overlap: bool = False
+    tables: tuple[dict, dict],
+    params: SamplingParams,
+    k: int,
+    samples: int,
+    overlap: bool = False,
+    prompt: list[int] = PROMPT,
+    draft_method: str = "model",
 ) -> tuple[Counter, float]:
     """Run the real Generation loop `samples` times; counts of the first NEW_TOKENS tokens.
 
     With overlap, generations run longer than NEW_TOKENS so that blocks drafted during verification
-    are used (a block is only drafted ahead when a later round can use it)."""
+    are used (a block is only drafted ahead when a later round can use it). With the ngram method the
+    blocks come from the prompt lookup alone, and the lookup must really have proposed."""
     target_logits, draft_logits = tables
     limits = ModelLimits(vocab_size=VOCAB, target_max_context=64, draft_max_context=64, eos_token_ids=frozenset())
     counts: Counter = Counter()
-    drafted = accepted = overlapped = 0
+    drafted = accepted = overlapped = looked_up = 0
     for seed in range(samples):
         request = GenerationRequest(
             request_id="t",
-            prompt_token_ids=PROMPT,
+            prompt_token_ids=prompt,
             max_new_tokens=NEW_TOKENS + 2 if overlap else NEW_TOKENS,
             sampling=params,
             seed=seed,
             num_speculative_tokens=k,
             overlap_drafting=overlap,
             min_confidence=0.0,
+            draft_method=draft_method,
+            ngram_min=1,
         )
         generation = Generation(
             request,
             limits,
             TableTarget(target_logits),  # type: ignore[arg-type]
-            TableDraft(draft_logits),  # type: ignore[arg-type]
+            TableDraft(draft_logits) if draft_method != "ngram" else None,  # type: ignore[arg-type]
             DraftAvailability(1.0),
             FixedK(k, k),
             draft_timeout_s=10.0,
+            lookup_policy=FixedK(k, k) if draft_method != "model" else None,
         )
         output: list[int] = []
         async for tokens in generation.rounds():
@@ -190,6 +202,8 @@ async def _sample_many(
         drafted += generation.stats.draft_tokens
         accepted += generation.stats.accepted_tokens
         overlapped += generation.stats.overlapped_rounds
+        looked_up += generation.stats.ngram_draft_tokens
+    assert (looked_up == drafted > 0) == (draft_method == "ngram"), (looked_up, drafted)
     # With overlap, blocks drafted during verification really were used (and checked by the test).
     assert (overlapped > samples // 20) == overlap, overlapped
     return counts, accepted / drafted
@@ -209,6 +223,17 @@ def test_first_three_tokens_follow_target_distribution(tables, close_table, para
     # the draft is a different model: it is accepted sometimes, rejected sometimes
     assert 0.1 < acceptance < 0.95, acceptance
     pvalue = chi_square_pvalue(counts, exact_distribution(tables[0], params), SAMPLES)
+    assert pvalue > 0.01, pvalue
+
+
+@pytest.mark.slow
+def test_prompt_lookup_proposals_keep_the_target_distribution(tables):
+    """Point-mass proposals from the lookup (a prompt that repeats itself, so lookups really happen,
+    and a target that accepts them only sometimes): still the target's distribution."""
+    params, prompt = SamplingParams(temperature=1.0), [1, 2, 1, 2, 1]
+    counts, acceptance = asyncio.run(_sample_many(tables, params, 2, SAMPLES, prompt=prompt, draft_method="ngram"))
+    assert 0.1 < acceptance < 0.95, acceptance
+    pvalue = chi_square_pvalue(counts, exact_distribution(tables[0], params, prompt), SAMPLES)
     assert pvalue > 0.01, pvalue
 
 
