@@ -72,11 +72,9 @@ def make_edit_prompts(count: int, stdlib: Path | None = None) -> list[str]:
             continue
         lines = text.splitlines(keepends=True)
         for node in ast.walk(tree):
-            if (
-                not isinstance(node, ast.FunctionDef)
-                or node.decorator_list
-                or not 6 <= node.end_lineno - node.lineno <= 15
-            ):
+            if not isinstance(node, ast.FunctionDef) or node.decorator_list or node.end_lineno is None:
+                continue
+            if not 6 <= node.end_lineno - node.lineno <= 15:
                 continue
             header = _header(lines, node)
             offset = node.col_offset
