@@ -28,6 +28,10 @@ class ModelServiceConfig:
     max_queue_wait_s: float = 30.0
     lean_draft: bool = True
     metrics_port: int = 0
+    health_port: int = 0
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
     threads: int = 0
     grace_period_s: float = 30.0
     log_level: str = "info"
@@ -49,6 +53,10 @@ _HELP: dict[str, str] = {
     "max_queue_wait_s": "a step not started within this many seconds is refused as busy (RESOURCE_EXHAUSTED)",
     "lean_draft": "draft service: run Llama-family drafts with the lean forward pass (checked at start-up)",
     "metrics_port": "Prometheus metrics port (0 disables)",
+    "health_port": "a plaintext port serving gRPC health checks only, for probes that cannot speak TLS (0: none)",
+    "tls_cert": "PEM certificate chain: serve TLS (with --tls-key)",
+    "tls_key": "PEM private key for --tls-cert",
+    "tls_client_ca": "PEM CA bundle: require client certificates signed by it (mutual TLS)",
     "threads": "torch CPU threads (0 keeps torch's default)",
     "grace_period_s": "seconds open sessions get to finish after SIGTERM",
     "log_level": "debug, info, warning or error",

@@ -19,6 +19,7 @@ from model_host.session_servicer import SessionServicer
 from serving import server as serving
 from serving.errors import ErrorInterceptor
 from serving.log_setup import configure_logging
+from serving.security import server_credentials
 
 log = structlog.get_logger(__name__)
 
@@ -34,6 +35,7 @@ class ModelServer:
     port: int
     servicer: SessionServicer[Any, Any]
     health: health.HealthServicer
+    health_server: grpc.Server | None = None  # the plaintext health-only port, when asked for
     _stopped: threading.Event = field(default_factory=threading.Event)
 
     def drain(self, grace_s: float) -> None:
@@ -41,11 +43,12 @@ class ModelServer:
         orchestrator reopens them elsewhere); then the server stops."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
-        self.servicer.stop()
-        self._stopped.set()
+        self.stop()
 
     def stop(self) -> None:
         self.server.stop(None).wait()
+        if self.health_server is not None:
+            self.health_server.stop(None).wait()
         self.servicer.stop()
         self._stopped.set()
 
@@ -73,11 +76,18 @@ def start_model_server(
     )
     register(servicer, server)
     health_servicer = serving.add_standard_services(server, [service_name])
-    port = serving.bind(server, config.host, config.port)
+    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+    port = serving.bind(server, config.host, config.port, credentials)
     server.start()
     if engine_thread:
         servicer.engine.start()
-    model_server = ModelServer(server=server, port=port, servicer=servicer, health=health_servicer)
+    model_server = ModelServer(
+        server=server,
+        port=port,
+        servicer=servicer,
+        health=health_servicer,
+        health_server=serving.start_health_port(health_servicer, config.host, config.health_port),
+    )
     _start_expiry(model_server, config.session_idle_timeout_s)
     log.info("serving", service=service_name, host=config.host, port=port)
     return model_server

@@ -40,6 +40,15 @@ class OrchestratorConfig:
     max_queued_requests: int = 1024
     max_queue_wait_s: float = 60.0
     metrics_port: int = 0
+    health_port: int = 0
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    upstream_tls_ca: str = ""
+    upstream_tls_cert: str = ""
+    upstream_tls_key: str = ""
+    upstream_tls_server_name: str = ""
+    api_key_file: str = ""
     grace_period_s: float = 30.0
     log_level: str = "info"
 
@@ -71,6 +80,15 @@ _HELP: dict[str, str] = {
     "max_queued_requests": "requests waiting for a place beyond those (RESOURCE_EXHAUSTED beyond)",
     "max_queue_wait_s": "a queued request that waits longer gets RESOURCE_EXHAUSTED",
     "metrics_port": "Prometheus metrics port (0 disables)",
+    "health_port": "a plaintext port serving gRPC health checks only, for probes that cannot speak TLS (0: none)",
+    "tls_cert": "PEM certificate chain: serve TLS to clients (with --tls-key)",
+    "tls_key": "PEM private key for --tls-cert",
+    "tls_client_ca": "PEM CA bundle: require client certificates signed by it",
+    "upstream_tls_ca": "PEM CA bundle to trust for the services: connect to them over TLS",
+    "upstream_tls_cert": "PEM client certificate for the services (mutual TLS, with --upstream-tls-key)",
+    "upstream_tls_key": "PEM private key for --upstream-tls-cert",
+    "upstream_tls_server_name": "name to verify in the services' certificates (replicas are dialled by address)",
+    "api_key_file": "accepted API keys, one a line; requests send `authorization: Bearer KEY` (reloads on change)",
     "grace_period_s": "seconds open requests get to finish after SIGTERM",
     "log_level": "debug, info, warning or error",
 }

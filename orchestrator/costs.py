@@ -17,11 +17,16 @@ from specdec.v1 import common_pb2
 _DECAY = 0.9  # weight of the past in every running estimate
 # Steps feeding more than this many tokens are prefills or catch-ups, not the rounds being priced.
 _MAX_OBSERVED_TOKENS = 256
+# A draft step whose feed is longer is catching up after rounds without it: its first forward is a
+# small prefill, and counting it as a drafting forward would price drafting too high (and, since
+# every return from K = 0 starts with a catch-up, keep K at 0).
+_MAX_DRAFT_CATCH_UP = 4
 
 
 class CostCurve:
     """Seconds of one forward pass by the tokens it feeds: piecewise linear between measured points,
-    extended linearly beyond them."""
+    extended linearly beyond them, and never more than a forward of more tokens was measured to cost
+    (a noisy point must not make a small forward look dearer than a large one)."""
 
     def __init__(self, points: Iterable[tuple[int, float]]) -> None:
         self._seconds: dict[int, float] = {}
@@ -54,13 +59,16 @@ class CostCurve:
         if not keys:
             return 0.0
         if tokens <= keys[0]:
-            return self._seconds[keys[0]]
+            return min(self._seconds.values())
         if len(keys) == 1:
             return self._seconds[keys[0]] * tokens / keys[0]
         index = min(bisect.bisect_left(keys, tokens), len(keys) - 1)
         low, high = keys[index - 1], keys[index]
         slope = (self._seconds[high] - self._seconds[low]) / (high - low)
-        return max(self._seconds[low], self._seconds[low] + slope * (tokens - low))
+        estimate = max(self._seconds[low], self._seconds[low] + slope * (tokens - low))
+        if tokens <= keys[-1]:
+            estimate = min(estimate, min(self._seconds[key] for key in keys[index:]))
+        return estimate
 
 
 class ServiceLoad:
@@ -86,9 +94,9 @@ class ServiceLoad:
         overhead = max(0.0, wall_seconds - timing.forward_seconds)
         self.target_overhead_s = _DECAY * self.target_overhead_s + (1 - _DECAY) * overhead
 
-    def observe_draft(self, timing: common_pb2.Timing, forwards: int, wall_seconds: float) -> None:
-        """A draft step of `forwards` forward passes (one per drafted token)."""
-        if forwards < 1 or timing.batch_size == 0:
+    def observe_draft(self, timing: common_pb2.Timing, forwards: int, fed: int, wall_seconds: float) -> None:
+        """A draft step that fed `fed` tokens and ran `forwards` forward passes (one per drafted token)."""
+        if forwards < 1 or timing.batch_size == 0 or fed > _MAX_DRAFT_CATCH_UP:
             return
         self.draft.observe(timing.batch_size, timing.forward_seconds / forwards)
         overhead = max(0.0, wall_seconds - timing.forward_seconds)

@@ -281,8 +281,14 @@ class Generation:
             return NO_DRAFT
         try:
             started = time.perf_counter()
+            keep_sent = [0]
+
+            def build(keep: int) -> draft_pb2.DraftRequest:
+                keep_sent[0] = keep
+                return self._draft_request(context, keep, k)
+
             async with asyncio.timeout(self.draft_timeout_s):
-                response = await draft.step(lambda keep: self._draft_request(context, keep, k))
+                response = await draft.step(build)
             probs = None
             if not self.request.sampling.greedy:
                 probs = decode_prob_rows(response.draft_probs, self.limits.vocab_size)
@@ -302,7 +308,8 @@ class Generation:
         draft.fed = len(context) + len(token_ids) - 1
         self.stats.draft_seconds += response.timing.forward_seconds
         if self.load is not None:
-            self.load.observe_draft(response.timing, len(token_ids), time.perf_counter() - started)
+            fed = len(context) - keep_sent[0]
+            self.load.observe_draft(response.timing, len(token_ids), fed, time.perf_counter() - started)
         return Draft(token_ids=token_ids, probs=probs, forward_seconds=response.timing.forward_seconds, fed=draft.fed)
 
     async def _verify(self, draft: Draft) -> tuple[Verdict, float]:

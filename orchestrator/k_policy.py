@@ -110,7 +110,7 @@ class LoadAwareK(KPolicy):
         initial_k: int,
         max_k: int,
         load: ServiceLoad,
-        prior_acceptance: float = 0.6,
+        prior_acceptance: float = 0.8,
         prior_weight: float = 2.0,
         decay: float = 0.9,
         probe_every: int = 8,

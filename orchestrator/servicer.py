@@ -28,7 +28,7 @@ from orchestrator.generation import (
 from orchestrator.k_policy import make_policy
 from orchestrator.proposals import MODEL, NGRAM, Stats
 from orchestrator.text import TextStream
-from orchestrator.upstream import ReplicaPool, SessionStream
+from orchestrator.upstream import Dial, ReplicaPool, SessionStream
 from serving.errors import ServiceError, failed_precondition, invalid_argument
 from serving.protocol import (
     DRAFT_METHOD_BY_ENUM,
@@ -39,6 +39,7 @@ from serving.protocol import (
     POLICY_BY_NAME,
 )
 from serving.sampling import SamplingParams
+from serving.security import channel_credentials
 from serving.vocab import tokenizer_fingerprint
 from specdec.v1 import common_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2_grpc
 
@@ -137,12 +138,20 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     @classmethod
     async def connect(cls, config: OrchestratorConfig) -> OrchestratorServicer:
         """Reach the services, check the pair, load the tokenizer. Raises PairMismatch or ConnectionError."""
-        target_pool = ReplicaPool("target", config.target, target_pb2_grpc.TargetServiceStub, config.resolve_interval_s)
+        credentials = channel_credentials(config.upstream_tls_ca, config.upstream_tls_cert, config.upstream_tls_key)
+        if credentials is None:
+            log.warning(
+                "plaintext_upstream", detail="no --upstream-tls-ca: connections to the services are unencrypted"
+            )
+        dial = Dial(credentials, config.upstream_tls_server_name)
+        target_pool = ReplicaPool(
+            "target", config.target, target_pb2_grpc.TargetServiceStub, config.resolve_interval_s, dial
+        )
         await target_pool.start()
         target_info = await fetch_model_info(target_pool, config.startup_timeout_s)
         draft: DraftSide | None = None
         if config.draft:
-            pool = ReplicaPool("draft", config.draft, draft_pb2_grpc.DraftServiceStub, config.resolve_interval_s)
+            pool = ReplicaPool("draft", config.draft, draft_pb2_grpc.DraftServiceStub, config.resolve_interval_s, dial)
             await pool.start()
             draft = DraftSide(pool)
             try:

@@ -82,11 +82,35 @@ async def resolve(name: str) -> list[str]:
     return [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in hosts]
 
 
+@dataclass(frozen=True)
+class Dial:
+    """How to open a channel to a replica: plaintext, or TLS with these credentials."""
+
+    credentials: grpc.ChannelCredentials | None = None
+    server_name: str = ""  # the name to verify in the replica's certificate (replicas are dialled by address)
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        if self.credentials is None:
+            return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        options: list[tuple[str, int | str]] = list(CHANNEL_OPTIONS)
+        if self.server_name:
+            options.append(("grpc.ssl_target_name_override", self.server_name))
+        return grpc.aio.secure_channel(address, self.credentials, options=options)
+
+
 class ReplicaPool:
     """The replicas of one service; requests are spread over them, least pinned first."""
 
-    def __init__(self, name: str, spec: str, make_stub: Callable[[grpc.aio.Channel], Any], resolve_interval_s: float):
+    def __init__(
+        self,
+        name: str,
+        spec: str,
+        make_stub: Callable[[grpc.aio.Channel], Any],
+        resolve_interval_s: float,
+        dial: Dial | None = None,
+    ):
         self.name = name
+        self._dial = dial or Dial()
         self._static, self._dns_name = parse_replicas(spec)
         self._make_stub = make_stub
         self._resolve_interval_s = resolve_interval_s
@@ -103,7 +127,7 @@ class ReplicaPool:
         addresses = self._static or await resolve(self._dns_name or "")
         for address in addresses:
             if address not in self._replicas:
-                channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+                channel = self._dial.channel(address)
                 self._replicas[address] = Replica(address, channel, self._make_stub(channel))
         self._retired += [self._replicas.pop(a) for a in list(self._replicas) if a not in addresses]
         # A retired replica's channel closes once its last pinned session has ended.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import threading
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from types import FrameType
 
 import grpc
@@ -50,16 +51,44 @@ async def add_standard_services_async(
     return servicer
 
 
-def bind(server: grpc.Server | grpc.aio.Server, host: str, port: int) -> int:
-    """Listen on host:port (port 0 picks a free one); returns the port, or raises naming the address."""
+def bind(
+    server: grpc.Server | grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None
+) -> int:
+    """Listen on host:port (port 0 picks a free one), with TLS when `credentials` are given; returns the
+    port, or raises naming the address."""
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:
         raise SystemExit(f"cannot listen on {address}: {exc}; choose another --host or --port") from exc
     if bound == 0:
         raise SystemExit(f"cannot listen on {address}; choose another --host or --port")
     return bound
+
+
+def start_health_port(health_servicer: health.HealthServicer, host: str, port: int) -> grpc.Server | None:
+    """A plaintext port serving standard health checks only (0: none), for probes that cannot speak TLS
+    (Kubernetes' native gRPC probes); it shares the main server's health status."""
+    if not port:
+        return None
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bind(server, host, port)
+    server.start()
+    return server
+
+
+async def start_health_port_async(
+    health_servicer: health_aio.HealthServicer, host: str, port: int
+) -> grpc.aio.Server | None:
+    """The asyncio twin of start_health_port."""
+    if not port:
+        return None
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bind(server, host, port)
+    await server.start()
+    return server
 
 
 def start_metrics(host: str, port: int) -> None:
