@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ from typing import Any
 import grpc
 
 from serving.protocol import POLICY_BY_NAME
+from serving.security import channel_credentials
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 
@@ -53,14 +55,17 @@ def build_request(args: argparse.Namespace) -> orchestrator_pb2.GenerateRequest:
 
 
 def generate(
-    stub: orchestrator_pb2_grpc.OrchestratorStub, request: orchestrator_pb2.GenerateRequest, echo: bool = False
+    stub: orchestrator_pb2_grpc.OrchestratorStub,
+    request: orchestrator_pb2.GenerateRequest,
+    echo: bool = False,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> GenerateResult:
     """Run one Generate call; with echo, write text deltas to stdout as they arrive."""
     from google.protobuf.json_format import MessageToDict
 
     result = GenerateResult()
     started = time.perf_counter()
-    for message in stub.Generate(request):
+    for message in stub.Generate(request, metadata=metadata):
         result.request_id = result.request_id or message.request_id
         result.text += message.text
         result.token_ids.extend(message.token_ids)
@@ -114,8 +119,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the server")
+    parser.add_argument("--tls-ca", default="", help="PEM CA bundle to trust: connect over TLS")
+    parser.add_argument("--tls-cert", default="", help="PEM client certificate (mutual TLS, with --tls-key)")
+    parser.add_argument("--tls-key", default="", help="PEM private key for --tls-cert")
+    parser.add_argument(
+        "--api-key", default=os.environ.get("SPECDEC_API_KEY", ""), help="API key (default: $SPECDEC_API_KEY)"
+    )
     args = parser.parse_args(argv)
-    with grpc.insecure_channel(args.server) as channel:
+    credentials = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key, flags="--tls")
+    metadata = (("authorization", f"Bearer {args.api_key}"),) if args.api_key else ()
+    channel = grpc.secure_channel(args.server, credentials) if credentials else grpc.insecure_channel(args.server)
+    with channel:
         try:
             grpc.channel_ready_future(channel).result(timeout=args.timeout)
         except grpc.FutureTimeoutError:
@@ -124,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         try:
             if args.json:
-                result = generate(stub, build_request(args))
+                result = generate(stub, build_request(args), metadata=metadata)
                 print(
                     json.dumps(
                         {
@@ -139,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             else:
                 sys.stdout.write(args.prompt)
-                result = generate(stub, build_request(args), echo=True)
+                result = generate(stub, build_request(args), echo=True, metadata=metadata)
                 print("\n\n" + summary(result))
         except grpc.RpcError as exc:
             print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]

@@ -52,16 +52,18 @@ def server_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerC
     )
 
 
-def channel_credentials(ca: str, cert: str = "", key: str = "") -> grpc.ChannelCredentials | None:
-    """TLS credentials for a client channel, or None for plaintext."""
+def channel_credentials(
+    ca: str, cert: str = "", key: str = "", flags: str = "--upstream-tls"
+) -> grpc.ChannelCredentials | None:
+    """TLS credentials for a client channel, or None for plaintext; errors name the `flags`-ca/-cert/-key."""
     if bool(cert) != bool(key):
-        raise SystemExit("--upstream-tls-cert and --upstream-tls-key go together; give both PEM files")
+        raise SystemExit(f"{flags}-cert and {flags}-key go together; give both PEM files")
     if not ca and not cert:
         return None
     return grpc.ssl_channel_credentials(
-        root_certificates=_read(ca, "--upstream-tls-ca") if ca else None,
-        private_key=_read(key, "--upstream-tls-key") if key else None,
-        certificate_chain=_read(cert, "--upstream-tls-cert") if cert else None,
+        root_certificates=_read(ca, f"{flags}-ca") if ca else None,
+        private_key=_read(key, f"{flags}-key") if key else None,
+        certificate_chain=_read(cert, f"{flags}-cert") if cert else None,
     )
 
 
