@@ -10,7 +10,7 @@ PAIR ?= default_models/pair
 PROMPT ?= def fibonacci(n):
 HOST ?= 127.0.0.1
 
-.PHONY: setup proto lint test run bench models evaluate clean
+.PHONY: setup proto lint test run bench load-bench wheel models evaluate clean
 
 setup: $(INSTALLED) $(GENERATED)
 
@@ -44,6 +44,14 @@ run: setup
 bench: setup
 	$(PY) -m bench
 
+# Throughput and latency under 1 to 16 concurrent clients (bench/load.py).
+load-bench: setup
+	$(PY) -m bench --concurrency 1,2,4,8,16 --prompts 8 --max-new-tokens 64
+
+# The installable wheel (gRPC code generated into it), in dist/.
+wheel: setup
+	$(PY) -m pip wheel . --no-deps --no-build-isolation -w dist
+
 # Retrain the default pair (about 2.5 hours on 2 CPU cores), then measure it and write its model card.
 models: setup
 	$(PY) -m default_models.train --out $(PAIR)
@@ -53,4 +61,4 @@ evaluate: setup
 	$(PY) -m default_models.evaluate --pair $(PAIR)
 
 clean:
-	rm -rf $(VENV) specdec .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) specdec .mypy_cache .ruff_cache .pytest_cache build dist

@@ -1,6 +1,7 @@
 """Run draft, target and orchestrator as three processes on loopback, as `make run` does.
 
-    python -m orchestrator.local_stack --target-model PATH --draft-model PATH --prompt TEXT
+    python -m orchestrator.local_stack [--target-model PATH] [--draft-model PATH] [--prompt TEXT]
+    specdec-local                        (the same, installed; the shipped default pair)
 
 Each service is its own process with its own port, exactly as it would be on its own machine; this
 module only starts them, waits until they report SERVING, and ends them by pid.
@@ -24,10 +25,13 @@ from typing import IO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import default_models
 from orchestrator.client import generate, summary
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 LOOPBACK = "127.0.0.1"
+# The default model pair, shipped with the package (default_models/pair).
+DEFAULT_PAIR = Path(default_models.__file__).resolve().parent / "pair"
 
 
 def free_port() -> int:
@@ -174,14 +178,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="orchestrator.local_stack", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--target-model", required=True)
-    parser.add_argument("--draft-model", default=None)
-    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--target-model", default=str(DEFAULT_PAIR / "target"), help="default: the shipped pair's")
+    parser.add_argument("--draft-model", default=str(DEFAULT_PAIR / "draft"), help="default: the shipped pair's")
+    parser.add_argument("--no-draft", action="store_true", help="run the target alone")
+    parser.add_argument("--prompt", default="def fibonacci(n):")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--num-speculative-tokens", type=int, default=2)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--log-dir", type=Path, default=None, help="write each service's log here")
     args = parser.parse_args(argv)
+    if args.no_draft:
+        args.draft_model = None
     print(
         f"starting target ({args.target_model}), draft ({args.draft_model}) and orchestrator on {LOOPBACK} ...",
         file=sys.stderr,
