@@ -108,6 +108,11 @@ class ApiKeys:
         if (stat.st_mtime, stat.st_size) != self._stamp:
             self.reload()
 
+    def first(self) -> str:
+        """One accepted key (for a client's own calls upstream, such as a gateway's), or ""."""
+        with self._lock:
+            return self._keys[0].decode() if self._keys else ""
+
     def accepts(self, metadata: tuple[tuple[str, Any], ...] | None) -> bool:
         """Whether the call's metadata carries `authorization: Bearer KEY` with a known key."""
         self._maybe_reload()

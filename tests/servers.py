@@ -59,6 +59,9 @@ class OrchestratorThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
 
+    def thread_alive(self) -> bool:
+        return self._thread.is_alive()
+
 
 def orchestrator_config(
     target: ModelServer | str, draft: ModelServer | str | None = None, **overrides: Any

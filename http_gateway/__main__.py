@@ -1,0 +1,133 @@
+"""python -m http_gateway --orchestrator HOST:PORT --port 8000 (or specdec-gateway)"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import structlog
+import uvicorn
+from transformers import AutoTokenizer
+
+from http_gateway.app import Upstream, create_app
+from serving.config import add_config_arguments
+from serving.log_setup import configure_logging
+from serving.security import ApiKeys, channel_credentials
+from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Settings of the gateway; the defaults live here and nowhere else."""
+
+    orchestrator: str = ""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tokenizer: str = ""
+    api_key_file: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    upstream_tls_ca: str = ""
+    upstream_tls_cert: str = ""
+    upstream_tls_key: str = ""
+    upstream_tls_server_name: str = ""
+    upstream_api_key: str = ""
+    startup_timeout_s: float = 120.0
+    log_level: str = "info"
+
+
+_HELP = {
+    "orchestrator": "the orchestrator's HOST:PORT",
+    "host": "address to listen on (0.0.0.0 in a container)",
+    "port": "HTTP port",
+    "tokenizer": "tokenizer (with the chat template) for /v1/chat/completions; default: the orchestrator's target",
+    "api_key_file": "accepted API keys, one a line (the same format as the orchestrator's); forwarded upstream",
+    "tls_cert": "PEM certificate chain: serve HTTPS (with --tls-key)",
+    "tls_key": "PEM private key for --tls-cert",
+    "upstream_tls_ca": "PEM CA bundle to trust for the orchestrator: connect over TLS",
+    "upstream_tls_cert": "PEM client certificate toward the orchestrator (mutual TLS)",
+    "upstream_tls_key": "PEM private key for --upstream-tls-cert",
+    "upstream_tls_server_name": "name to verify in the orchestrator's certificate",
+    "upstream_api_key": "key for the gateway's own calls to the orchestrator (default: the first of --api-key-file)",
+    "startup_timeout_s": "how long to wait for the orchestrator at start-up",
+    "log_level": "debug, info, warning or error",
+}
+
+
+def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
+    parser = argparse.ArgumentParser(prog="http_gateway", description="specdec OpenAI-compatible HTTP gateway")
+    add_config_arguments(parser, GatewayConfig, _HELP)
+    config = GatewayConfig(**vars(parser.parse_args(argv)))
+    if not config.orchestrator:
+        parser.error("--orchestrator is required (HOST:PORT of the orchestrator), or set SPECDEC_ORCHESTRATOR")
+    if bool(config.tls_cert) != bool(config.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    return config
+
+
+async def connect(config: GatewayConfig) -> tuple[grpc.aio.Channel, Upstream]:
+    """The orchestrator's channel and info (waiting for it up to the start-up timeout), and the tokenizer."""
+    credentials = channel_credentials(config.upstream_tls_ca, config.upstream_tls_cert, config.upstream_tls_key)
+    options = (
+        [("grpc.ssl_target_name_override", config.upstream_tls_server_name)] if config.upstream_tls_server_name else []
+    )
+    channel = (
+        grpc.aio.secure_channel(config.orchestrator, credentials, options=options)
+        if credentials
+        else grpc.aio.insecure_channel(config.orchestrator)
+    )
+    stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+    key = config.upstream_api_key
+    if not key and config.api_key_file:  # the orchestrator may check keys too: the same file's first
+        key = ApiKeys(config.api_key_file).first()
+    metadata = (("authorization", f"Bearer {key}"),) if key else ()
+    deadline = asyncio.get_running_loop().time() + config.startup_timeout_s
+    while True:
+        try:
+            info = await stub.GetInfo(orchestrator_pb2.GetInfoRequest(), metadata=metadata, timeout=5.0)
+            break
+        except grpc.aio.AioRpcError as exc:
+            if asyncio.get_running_loop().time() > deadline:
+                raise SystemExit(f"http_gateway: no orchestrator at {config.orchestrator}: {exc.details()}") from exc
+            await asyncio.sleep(0.5)
+    name = config.tokenizer or info.target.model
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, name)
+    return channel, Upstream(stub, info, tokenizer)
+
+
+async def serve(config: GatewayConfig) -> None:
+    channel, upstream = await connect(config)
+    keys = ApiKeys(config.api_key_file) if config.api_key_file else None
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(upstream, keys),
+            host=config.host,
+            port=config.port,
+            ssl_certfile=config.tls_cert or None,
+            ssl_keyfile=config.tls_key or None,
+            log_level=config.log_level,
+            access_log=False,
+        )
+    )
+    log.info("serving", port=config.port, orchestrator=config.orchestrator, model=upstream.model)
+    try:
+        await server.serve()
+    finally:
+        await channel.close()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    config = parse_config(argv)
+    configure_logging(config.log_level)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    main()

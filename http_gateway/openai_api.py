@@ -1,0 +1,186 @@
+"""OpenAI's request and response shapes, converted to and from specdec's gRPC API at the edge.
+
+A field specdec does not support is accepted at its neutral value (`n: 1`, `presence_penalty: 0`,
+`logprobs: null`, which many clients always send) and refused with 400 naming it when it asks for
+something. specdec's own settings travel as extension fields (a client's `extra_body`), and a
+response's generation statistics come back in the `specdec` field.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+
+from serving.protocol import DRAFT_METHOD_BY_NAME, POLICY_BY_NAME
+from specdec.v1 import orchestrator_pb2
+
+# OpenAI's default for completions; chat defaults to the room left in the context.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+FINISH_REASONS = {
+    orchestrator_pb2.FINISH_REASON_LENGTH: "length",
+    orchestrator_pb2.FINISH_REASON_EOS: "stop",
+    orchestrator_pb2.FINISH_REASON_STOP: "stop",
+}
+# Fields that are accepted only at these neutral values.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+_IGNORED = {"model", "user", "stream", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls"}
+
+
+class ApiError(Exception):
+    """An error answered as an OpenAI-style JSON body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error"}.get(
+            self.status, "rate_limit_error" if self.status == 429 else "server_error"
+        )
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param, "invalid_request_error")
+
+
+def _number(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not isinstance(value, int)):
+        raise invalid(f"`{name}` must be {'an integer' if kind is int else 'a number'}; got {value!r}", name)
+    return value
+
+
+def _count(body: dict[str, Any], name: str, default: Any) -> Any:
+    """A non-negative integer that fits the API's 32-bit fields."""
+    value = _number(body, name, int, default)
+    if value is not None and not 0 <= value < 1 << 32:
+        raise invalid(f"`{name}` must be between 0 and {(1 << 32) - 1}; got {value}", name)
+    return value
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A validated OpenAI request, as specdec's GenerateRequest plus what the response needs."""
+
+    request: orchestrator_pb2.GenerateRequest
+    stream: bool
+    include_usage: bool
+
+
+def check_fields(body: dict[str, Any], known: set[str]) -> None:
+    """400 for an unsupported field that asks for something, or an unknown one."""
+    for name, value in body.items():
+        if name in _NEUTRAL:
+            if value not in _NEUTRAL[name]:
+                raise invalid(f"`{name}` = {value!r} is not supported by specdec; leave it unset", name)
+        elif name not in known and name not in _IGNORED:
+            raise invalid(f"unknown field `{name}`", name)
+
+
+_EXTENSIONS = {"num_speculative_tokens", "speculation_policy", "overlap_drafting", "draft_method", "top_k"}
+
+
+def build_request(
+    body: dict[str, Any], prompt: orchestrator_pb2.GenerateRequest, max_tokens_default: int, request_id: str
+) -> Parsed:
+    """The common fields: sampling, stop strings, streaming, and specdec's extension fields."""
+    request = prompt
+    max_tokens = _count(body, "max_tokens", None)
+    if max_tokens is None:
+        max_tokens = _count(body, "max_completion_tokens", max_tokens_default)
+    if max_tokens < 1:
+        raise invalid(f"`max_tokens` must be at least 1; got {max_tokens}", "max_tokens")
+    request.max_new_tokens = max_tokens
+    request.temperature = float(_number(body, "temperature", float, 1.0))
+    if body.get("top_p") is not None:
+        request.top_p = float(_number(body, "top_p", float, 1.0))
+    if body.get("seed") is not None:
+        seed = _number(body, "seed", int, 0)
+        request.seed = seed % (1 << 64)
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise invalid("`stop` must be a string or a list of strings", "stop")
+        request.stop.extend(stops)
+    if body.get("top_k") is not None:
+        request.top_k = _count(body, "top_k", 0)
+    if body.get("num_speculative_tokens") is not None:
+        request.num_speculative_tokens = _count(body, "num_speculative_tokens", 0)
+    if body.get("speculation_policy") is not None:
+        name = body["speculation_policy"]
+        if name not in POLICY_BY_NAME:
+            raise invalid(f"`speculation_policy` must be one of {', '.join(POLICY_BY_NAME)}", "speculation_policy")
+        request.speculation_policy = POLICY_BY_NAME[name]
+    if body.get("draft_method") is not None:
+        name = body["draft_method"]
+        if name not in DRAFT_METHOD_BY_NAME:
+            raise invalid(f"`draft_method` must be one of {', '.join(DRAFT_METHOD_BY_NAME)}", "draft_method")
+        request.draft_method = DRAFT_METHOD_BY_NAME[name]
+    if body.get("overlap_drafting") is not None:
+        if not isinstance(body["overlap_drafting"], bool):
+            raise invalid("`overlap_drafting` must be true or false", "overlap_drafting")
+        request.overlap_drafting = body["overlap_drafting"]
+    request.request_id = request_id
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise invalid("`stream` must be true or false", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise invalid("`stream_options` must be an object", "stream_options")
+    return Parsed(request, stream, bool(options.get("include_usage")))
+
+
+def completion_prompt(body: dict[str, Any]) -> orchestrator_pb2.GenerateRequest:
+    """The prompt of /v1/completions: a string, or token ids (one prompt only)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return orchestrator_pb2.GenerateRequest(text=prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return orchestrator_pb2.GenerateRequest(token_ids=orchestrator_pb2.TokenIds(ids=prompt))
+    raise invalid("`prompt` must be a non-empty string or list of token ids (one prompt per request)", "prompt")
+
+
+def stats_extension(stats: orchestrator_pb2.GenerationStats) -> dict[str, Any]:
+    """The `specdec` extension field: the generation's statistics, acceptance rate included."""
+    fields = MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    drafted = stats.draft_tokens
+    fields["acceptance_rate"] = stats.accepted_tokens / drafted if drafted else None
+    return fields
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def envelope(kind: str, request_id: str, model: str) -> dict[str, Any]:
+    prefix = "chatcmpl" if kind.startswith("chat") else "cmpl"
+    return {"id": f"{prefix}-{request_id}", "object": kind, "created": int(time.time()), "model": model}

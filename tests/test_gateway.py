@@ -1,0 +1,227 @@
+"""The OpenAI-compatible gateway, driven by the real `openai` package in front of the real services."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2 as httpx
+import openai
+import pytest
+import uvicorn
+from transformers import AutoTokenizer
+
+from http_gateway.__main__ import GatewayConfig, connect
+from http_gateway.app import create_app, render_chat
+from http_gateway.openai_api import ApiError
+from orchestrator.local_stack import free_port
+from serving.security import ApiKeys
+from specdec.v1 import orchestrator_pb2
+from tests.conftest import collect, wait_until
+from tests.servers import LOOPBACK, OrchestratorThread, orchestrator_config
+
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w1{% endif %}"
+
+
+class GatewayThread:
+    """The gateway (uvicorn) on its own event loop in a background thread, on a free port."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.channel, upstream = asyncio.run_coroutine_threadsafe(connect(config), self.loop).result(60)
+        self.model = upstream.model
+        keys = ApiKeys(config.api_key_file) if config.api_key_file else None
+        server_config = uvicorn.Config(create_app(upstream, keys), host=LOOPBACK, port=config.port, log_level="warning")
+        self.server = uvicorn.Server(server_config)
+        self.serving = asyncio.run_coroutine_threadsafe(self.server.serve(), self.loop)
+        assert wait_until(lambda: self.server.started, timeout_s=20)
+        self.base_url = f"http://{LOOPBACK}:{config.port}"
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.serving.result(20)
+        asyncio.run_coroutine_threadsafe(self.channel.close(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tiny_pair, tmp_path_factory) -> Path:
+    """The tiny target's tokenizer with a chat template."""
+    folder = tmp_path_factory.mktemp("chat_tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_pair.target))
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _start(orchestrator: OrchestratorThread, **overrides) -> GatewayThread:
+    config = GatewayConfig(orchestrator=orchestrator.address, port=free_port(), startup_timeout_s=10, **overrides)
+    return GatewayThread(config)
+
+
+@pytest.fixture(scope="module")
+def gateway(orchestrators, chat_tokenizer) -> Iterator[GatewayThread]:
+    started = _start(orchestrators["close"], tokenizer=str(chat_tokenizer))
+    yield started
+    started.stop()
+
+
+def _grpc_text(orchestrators, **fields) -> tuple[str, list[int]]:
+    ids, text, _ = collect(orchestrators["close"].stub, orchestrator_pb2.GenerateRequest(**fields))
+    return text, ids
+
+
+def test_completions_match_the_grpc_api(gateway, orchestrators):
+    client = gateway.client()
+    response = client.completions.create(
+        model=gateway.model, prompt="w3 w4 w5", max_tokens=12, temperature=0, extra_body={"num_speculative_tokens": 3}
+    )
+    text, ids = _grpc_text(orchestrators, text="w3 w4 w5", max_new_tokens=12, num_speculative_tokens=3)
+    assert response.choices[0].text == text and response.choices[0].finish_reason in ("length", "stop")
+    assert response.usage.prompt_tokens == 3 and response.usage.completion_tokens == len(ids)
+    assert response.usage.total_tokens == 3 + len(ids)
+    stats = response.model_extra["specdec"]
+    assert stats["draft_tokens"] > 0 and 0 <= stats["acceptance_rate"] <= 1
+    alone = client.completions.create(
+        model=gateway.model, prompt=[3, 4, 5], max_tokens=12, temperature=0, extra_body={"num_speculative_tokens": 0}
+    )
+    assert alone.choices[0].text == text and alone.model_extra["specdec"]["draft_tokens"] == 0
+
+
+def test_streamed_completions_and_usage(gateway, orchestrators):
+    chunks = list(
+        gateway.client().completions.create(
+            model=gateway.model, prompt="w7 w8", max_tokens=10, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    text, ids = _grpc_text(orchestrators, text="w7 w8", max_new_tokens=10)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(ids)
+
+
+def test_chat_completions_render_with_the_models_template(gateway, orchestrators, chat_tokenizer):
+    messages = [
+        {"role": "user", "content": "w5 w6 w7"},
+        {"role": "assistant", "content": "w8"},
+        {"role": "user", "content": "w9"},
+    ]
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_tokenizer))
+    expected_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(expected_ids, "keys"):
+        expected_ids = expected_ids["input_ids"]
+    assert render_chat(tokenizer, messages) == list(expected_ids)
+    prompt_ids = orchestrator_pb2.TokenIds(ids=list(expected_ids))
+    text, _ = _grpc_text(orchestrators, token_ids=prompt_ids, max_new_tokens=9)
+    client = gateway.client()
+    response = client.chat.completions.create(model=gateway.model, messages=messages, max_tokens=9, temperature=0)
+    assert response.choices[0].message.role == "assistant" and response.choices[0].message.content == text
+    assert response.usage.prompt_tokens == len(expected_ids)
+    stream = client.chat.completions.create(
+        model=gateway.model, messages=messages, max_tokens=9, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    default = client.chat.completions.create(model=gateway.model, messages=messages, temperature=0)
+    assert default.usage.completion_tokens >= 1  # max_tokens defaults to the room left in the context
+
+
+def test_a_model_without_a_chat_template_is_told_so(tiny_pair):
+    with pytest.raises(ApiError) as error:
+        render_chat(AutoTokenizer.from_pretrained(str(tiny_pair.target)), [{"role": "user", "content": "w1"}])
+    assert error.value.status == 400 and "chat template" in error.value.message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("n", 2), ("best_of", 3), ("logprobs", 2), ("echo", True), ("presence_penalty", 0.5),
+     ("frequency_penalty", -1), ("logit_bias", {"5": 10}), ("suffix", "w2"), ("frobnicate", 1),
+     ("max_tokens", 0), ("max_tokens", "ten"), ("temperature", "hot"), ("stop", 5), ("prompt", []),
+     ("speculation_policy", "fastest"), ("draft_method", "magic"), ("temperature", 500),
+     ("max_tokens", 10**12), ("top_k", -1), ("num_speculative_tokens", 99), ("overlap_drafting", "yes")],
+)  # fmt: skip
+def test_unsupported_or_invalid_fields_are_400_naming_them(gateway, field, value):
+    body = {"model": gateway.model, "prompt": "w1 w2", "max_tokens": 3, field: value}
+    response = httpx.post(f"{gateway.base_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert field.split("_")[0] in error["message"], error
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(gateway):
+    neutral: dict[str, object] = {
+        "n": 1, "best_of": 1, "logprobs": None, "echo": False, "presence_penalty": 0, "frequency_penalty": 0.0,
+        "logit_bias": {}, "user": "someone",
+    }  # fmt: skip
+    body = {"model": gateway.model, "prompt": "w1 w2", "max_tokens": 3, **neutral}
+    response = httpx.post(f"{gateway.base_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+
+
+def test_models_unknown_model_and_request_ids(gateway):
+    listing = gateway.client().models.list()
+    assert [m.id for m in listing.data] == [gateway.model]
+    assert listing.data[0].model_extra["specdec"]["draft_model"]
+    with pytest.raises(openai.NotFoundError) as error:
+        gateway.client().completions.create(model="gpt-4o", prompt="w1", max_tokens=2)
+    assert isinstance(error.value.body, dict) and error.value.body["code"] == "model_not_found"
+    response = httpx.post(
+        f"{gateway.base_url}/v1/completions",
+        json={"prompt": "w1", "max_tokens": 2},
+        headers={"X-Request-Id": "my-request-7"},
+        timeout=30,
+    )
+    assert response.headers["x-request-id"] == "my-request-7" and response.json()["id"] == "cmpl-my-request-7"
+    bad = httpx.post(f"{gateway.base_url}/v1/completions", json={"prompt": "w1"}, headers={"X-Request-Id": "a\tb"})
+    assert bad.status_code == 400 and "request_id" in bad.json()["error"]["message"]
+
+
+def test_a_disconnecting_streaming_client_frees_both_sessions(gateway, target_server, close_draft_server):
+    body = {"model": gateway.model, "prompt": "w2 w3", "max_tokens": 200, "temperature": 0, "stream": True,
+            "num_speculative_tokens": 2}  # fmt: skip
+    with httpx.stream("POST", f"{gateway.base_url}/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert wait_until(lambda: target_server.servicer.store.open_sessions > 0)
+    assert wait_until(lambda: target_server.servicer.store.open_sessions == 0)
+    assert wait_until(lambda: close_draft_server.servicer.store.open_sessions == 0)
+
+
+def test_keys_full_servers_and_stopped_orchestrators_give_401_429_503(target_server, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("gateway-key\n")
+    orchestrator = OrchestratorThread(
+        orchestrator_config(target_server, max_running_requests=1, max_queued_requests=0, api_key_file=str(keys))
+    )
+    gateway = _start(orchestrator, api_key_file=str(keys))
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            gateway.client("wrong").completions.create(model=gateway.model, prompt="w1", max_tokens=2)
+        client = gateway.client("gateway-key")
+        assert client.completions.create(model=gateway.model, prompt="w1", max_tokens=2).choices[0].text
+        long = client.completions.create(model=gateway.model, prompt="w1", max_tokens=200, stream=True)
+        next(iter(long))  # holds the only place
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=gateway.model, prompt="w2", max_tokens=2)
+        long.close()
+        orchestrator.stop()
+        with pytest.raises(openai.InternalServerError) as error:
+            client.completions.create(model=gateway.model, prompt="w2", max_tokens=2)
+        assert error.value.status_code == 503
+    finally:
+        gateway.stop()
+        if orchestrator.thread_alive():
+            orchestrator.stop()
