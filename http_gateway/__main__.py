@@ -39,6 +39,7 @@ class GatewayConfig:
     upstream_tls_server_name: str = ""
     upstream_api_key: str = ""
     startup_timeout_s: float = 120.0
+    grace_period_s: float = 30.0
     log_level: str = "info"
 
 
@@ -56,6 +57,7 @@ _HELP = {
     "upstream_tls_server_name": "name to verify in the orchestrator's certificate",
     "upstream_api_key": "key for the gateway's own calls to the orchestrator (default: the first of --api-key-file)",
     "startup_timeout_s": "how long to wait for the orchestrator at start-up",
+    "grace_period_s": "seconds open requests get to finish after SIGTERM",
     "log_level": "debug, info, warning or error",
 }
 
@@ -113,6 +115,7 @@ async def serve(config: GatewayConfig) -> None:
             ssl_keyfile=config.tls_key or None,
             log_level=config.log_level,
             access_log=False,
+            timeout_graceful_shutdown=int(config.grace_period_s),
         )
     )
     log.info("serving", port=config.port, orchestrator=config.orchestrator, model=upstream.model)

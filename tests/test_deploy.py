@@ -58,8 +58,8 @@ def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
-def test_both_overlays_exist():
-    assert {"cpu", "gpu"} <= set(OVERLAYS)
+def test_the_overlays_exist():
+    assert {"cpu", "gpu", "tls"} <= set(OVERLAYS)
 
 
 def test_every_object_validates_strictly(rendered):
@@ -78,24 +78,35 @@ def test_strict_validation_catches_unknown_fields(rendered):
 def test_expected_objects(rendered):
     _, objects = rendered
     kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
-    for role in ("target", "draft", "orchestrator"):
+    for role in ("target", "draft", "orchestrator", "gateway"):
         assert ("Deployment", f"specdec-{role}") in kinds
         assert ("Service", f"specdec-{role}") in kinds
         assert ("PodDisruptionBudget", f"specdec-{role}") in kinds
     assert ("HorizontalPodAutoscaler", "specdec-orchestrator") in kinds
+    assert ("HorizontalPodAutoscaler", "specdec-gateway") in kinds
     assert any(kind == "ConfigMap" for kind, _ in kinds)
     services = {o["metadata"]["name"]: o for o in of_kind(objects, "Service")}
     assert services["specdec-target"]["spec"]["clusterIP"] == "None"
     assert services["specdec-draft"]["spec"]["clusterIP"] == "None"
 
 
-def test_probes_use_grpc_on_a_container_port(rendered):
-    _, objects = rendered
+def test_probes_use_grpc_or_http_health_on_a_container_port(rendered):
+    overlay, objects = rendered
     for deployment in of_kind(objects, "Deployment"):
         for container in deployment["spec"]["template"]["spec"]["containers"]:
             ports = {p["containerPort"] for p in container["ports"]}
+            names = {p["name"] for p in container["ports"]}
+            env = {e["name"]: e.get("value") for e in container["env"]}
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                assert container[probe]["grpc"]["port"] in ports, (deployment["metadata"]["name"], probe)
+                if component(deployment) == "gateway":
+                    assert container[probe]["httpGet"]["path"] == "/health"
+                    assert container[probe]["httpGet"]["port"] in names
+                    assert (container[probe]["httpGet"].get("scheme") == "HTTPS") == ("SPECDEC_TLS_CERT" in env)
+                    continue
+                port = container[probe]["grpc"]["port"]
+                assert port in ports, (deployment["metadata"]["name"], probe)
+                if "SPECDEC_TLS_CERT" in env:  # gRPC probes cannot speak TLS: the plaintext health port
+                    assert str(port) == env["SPECDEC_HEALTH_PORT"], (overlay, deployment["metadata"]["name"])
             startup = container["startupProbe"]
             assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # room to load a model
 
@@ -141,13 +152,17 @@ def test_gpus_only_for_draft_and_target_on_gpu(rendered):
             assert any(t["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == other for t in terms)
 
 
-def test_network_policies_admit_only_the_orchestrator(rendered):
+def test_network_policies_admit_only_the_orchestrator_to_the_services(rendered):
     _, objects = rendered
     policies = {
         p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: p
         for p in of_kind(objects, "NetworkPolicy")
     }
-    assert set(policies) == {"draft", "target"}
+    assert set(policies) == {"draft", "target", "orchestrator"}
+    gateway_rule = policies.pop("orchestrator")["spec"]["ingress"][0]
+    assert {p["port"] for p in gateway_rule["ports"]} == {50050}
+    peers = [peer["podSelector"]["matchLabels"] for peer in gateway_rule["from"]]
+    assert {"app.kubernetes.io/name": "specdec", "app.kubernetes.io/component": "gateway"} in peers
     for policy in policies.values():
         for rule in policy["spec"]["ingress"]:
             ports = {p["port"] for p in rule["ports"]}
@@ -181,13 +196,18 @@ def test_grace_period_covers_the_drain(rendered):
 
 
 def test_config_keys_exist_and_env_names_are_real_flags(rendered):
+    from http_gateway.__main__ import GatewayConfig
     from model_host.config import ModelServiceConfig
     from orchestrator.config import OrchestratorConfig
 
     _, objects = rendered
     config = of_kind(objects, "ConfigMap")[0]
     names = {config["metadata"]["name"]}
-    fields = {f.upper() for f in (*ModelServiceConfig.__dataclass_fields__, *OrchestratorConfig.__dataclass_fields__)}
+    fields = {
+        f.upper()
+        for config_type in (ModelServiceConfig, OrchestratorConfig, GatewayConfig)
+        for f in config_type.__dataclass_fields__
+    }
     for deployment in of_kind(objects, "Deployment"):
         for entry in deployment["spec"]["template"]["spec"]["containers"][0]["env"]:
             if entry["name"].startswith("SPECDEC_"):
@@ -221,3 +241,27 @@ def test_dashboard_queries_real_metrics():
         for name in re.findall(r"specdec:[a-z0-9_:]+", target["expr"])
     }
     assert queried and queried <= families, queried - families
+
+
+def test_tls_overlay_mounts_what_the_cert_manager_example_issues():
+    example = [
+        doc for doc in yaml.safe_load_all((DEPLOY / "k8s" / "examples" / "cert-manager.yaml").read_text()) if doc
+    ]
+    issued = {d["spec"]["secretName"]: d["spec"] for d in example if d["kind"] == "Certificate"}
+    objects = render("tls")
+    for deployment in of_kind(objects, "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        secrets = {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+        assert "specdec-tls" in secrets and "specdec-tls" in issued
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        if "SPECDEC_UPSTREAM_TLS_SERVER_NAME" in env:
+            assert env["SPECDEC_UPSTREAM_TLS_SERVER_NAME"] in issued["specdec-tls"]["dnsNames"]
+        if component(deployment) in ("orchestrator", "gateway"):
+            assert "specdec-api-keys" in secrets and env["SPECDEC_API_KEY_FILE"].startswith("/etc/specdec/keys/")
+
+
+def test_the_image_keeps_the_default_pair_where_the_config_points():
+    text = (DEPLOY / "Dockerfile").read_text()
+    config = of_kind(render("cpu"), "ConfigMap")[0]["data"]
+    assert config["target_model"].startswith("/opt/specdec/default_models/pair/")
+    assert "/opt/specdec/default_models" in text
