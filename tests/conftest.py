@@ -139,3 +139,15 @@ class RawSession:
 
     def close(self) -> None:
         self._requests.put(None)
+
+
+def still_speculates(stub: Any) -> None:
+    """After a bad request: a good one on the fixed policy drafts tokens (nothing switched drafting off)."""
+    request = orchestrator_pb2.GenerateRequest(
+        token_ids=orchestrator_pb2.TokenIds(ids=[3, 4, 5]),
+        max_new_tokens=12,
+        num_speculative_tokens=2,
+        speculation_policy=orchestrator_pb2.SPECULATION_POLICY_FIXED,
+    )
+    _, _, last = collect(stub, request)
+    assert last.stats.draft_tokens > 0 and last.stats.draft_fallback_rounds == 0

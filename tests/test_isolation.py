@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from specdec.v1 import orchestrator_pb2
-from tests.conftest import collect
+from tests.conftest import collect, still_speculates
 
 Request = orchestrator_pb2.GenerateRequest
 FIXED = orchestrator_pb2.SPECULATION_POLICY_FIXED
@@ -19,10 +19,7 @@ def _ids(prompt: list[int], **fields) -> Request:
     return Request(token_ids=orchestrator_pb2.TokenIds(ids=prompt), **fields)
 
 
-def _still_speculates(stub) -> None:
-    """A good request on the fixed policy drafts tokens."""
-    _, _, last = collect(stub, _ids([3, 4, 5], max_new_tokens=12, num_speculative_tokens=2, speculation_policy=FIXED))
-    assert last.stats.draft_tokens > 0 and last.stats.draft_fallback_rounds == 0
+_still_speculates = still_speculates
 
 
 @pytest.mark.parametrize(

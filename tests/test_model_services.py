@@ -15,7 +15,7 @@ from model_host.logits import logits_to_probs
 from serving.sampling import SamplingParams
 from serving.tensors import decode_prob_rows
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from tests.conftest import RawSession, wait_until
+from tests.conftest import RawSession, still_speculates, wait_until
 from tests.servers import start_draft, start_target
 
 SAMPLE = SamplingParams(temperature=1.0).to_proto()
@@ -25,6 +25,14 @@ MISS = common_pb2.SESSION_RESULT_CACHE_MISS
 
 def _channel(server) -> grpc.Channel:
     return grpc.insecure_channel(f"127.0.0.1:{server.port}")
+
+
+def _verify(ids: list[int], sampling: common_pb2.SamplingParams | None = None) -> target_pb2.VerifyRequest:
+    return target_pb2.VerifyRequest(keep=0, append_token_ids=ids, num_rows=1, sampling=sampling)
+
+
+def _draft(ids: list[int], **fields) -> draft_pb2.DraftRequest:
+    return draft_pb2.DraftRequest(keep=0, append_token_ids=ids, **{"num_speculative_tokens": 2, **fields})
 
 
 def _fresh_probs(model: LoadedModel, sequence: list[int]) -> torch.Tensor:
@@ -142,9 +150,17 @@ def test_cache_miss_then_reopen(target_server):
             ),
             "top_p",
         ),
+        (_verify([1], common_pb2.SamplingParams(temperature=float("nan"))), "temperature"),
+        (_verify([1], common_pb2.SamplingParams(temperature=float("inf"))), "temperature"),
+        (_verify([1], common_pb2.SamplingParams(temperature=500)), "temperature must be in [0, 100]"),
+        (_verify([1], common_pb2.SamplingParams(temperature=1, top_p=float("nan"))), "top_p"),
+        (_verify([1], common_pb2.SamplingParams(temperature=1, top_p=0)), "top_p"),
+        (_verify([1, -1]), "vocabulary"),
+        (target_pb2.VerifyRequest(keep=0, append_token_ids=[1] * 20, num_rows=18), "--max-speculative-tokens + 1"),
+        (target_pb2.VerifyRequest(keep=250, append_token_ids=[1] * 10, num_rows=1), "context"),
     ],
 )
-def test_target_bad_requests(target_server, request_message, words):
+def test_target_bad_requests(target_server, orchestrators, request_message, words):
     with _channel(target_server) as channel:
         session = RawSession(target_pb2_grpc.TargetServiceStub(channel).Verify)
         with pytest.raises(grpc.RpcError) as error:
@@ -152,6 +168,7 @@ def test_target_bad_requests(target_server, request_message, words):
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert words in error.value.details()
     assert wait_until(lambda: target_server.servicer.store.open_sessions == 0)
+    still_speculates(orchestrators["close"].stub)
 
 
 @pytest.mark.parametrize(
@@ -161,15 +178,25 @@ def test_target_bad_requests(target_server, request_message, words):
         (draft_pb2.DraftRequest(keep=0, append_token_ids=[1], num_speculative_tokens=99), "num_speculative_tokens"),
         (draft_pb2.DraftRequest(keep=0, append_token_ids=[], num_speculative_tokens=2), "append_token_ids"),
         (draft_pb2.DraftRequest(keep=0, append_token_ids=[1], num_speculative_tokens=2, min_confidence=2), "min_conf"),
+        (draft_pb2.DraftRequest(keep=0, append_token_ids=[1], num_speculative_tokens=17), "[1, 16]"),
+        (_draft([1], min_confidence=float("nan")), "min_confidence"),
+        (_draft([1], min_confidence=-0.5), "min_confidence"),
+        (_draft([1], sampling=common_pb2.SamplingParams(temperature=float("nan"))), "temperature"),
+        (_draft([1], sampling=common_pb2.SamplingParams(temperature=1, top_p=0)), "top_p"),
+        (_draft([500]), "vocabulary"),
+        (_draft([-3]), "vocabulary"),
+        (_draft([1] * 250, num_speculative_tokens=16), "context"),
     ],
 )
-def test_draft_bad_requests(close_draft_server, request_message, words):
+def test_draft_bad_requests(close_draft_server, orchestrators, request_message, words):
     with _channel(close_draft_server) as channel:
         session = RawSession(draft_pb2_grpc.DraftServiceStub(channel).Draft)
         with pytest.raises(grpc.RpcError) as error:
             session.step(request_message)
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert words in error.value.details()
+    assert wait_until(lambda: close_draft_server.servicer.store.open_sessions == 0)
+    still_speculates(orchestrators["close"].stub)
 
 
 def test_session_and_token_limits_leave_other_sessions_running(target_model):
@@ -235,11 +262,23 @@ def test_model_info_health_and_reflection(target_server, target_model):
         assert {"specdec.v1.TargetService", "grpc.health.v1.Health"} <= names
 
 
-def test_drain_sets_not_serving(close_draft_model):
+def test_drain_stops_accepting_lets_open_sessions_finish_then_stops(close_draft_model):
+    import threading
+
     server = start_draft(close_draft_model)
     with _channel(server) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        server.health.enter_graceful_shutdown()
-        status = health.Check(health_pb2.HealthCheckRequest(service="")).status
-        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-    server.drain(0.1)
+        session = RawSession(draft_pb2_grpc.DraftServiceStub(channel).Draft)
+        first = session.step(draft_pb2.DraftRequest(keep=0, append_token_ids=[1, 2], num_speculative_tokens=2))
+        drain = threading.Thread(target=server.drain, args=(5.0,))
+        drain.start()
+        assert wait_until(lambda: server.health.Check(health_pb2.HealthCheckRequest(), None).status == 2)  # NOT_SERVING
+        # The open session keeps being served during the grace period ...
+        second = session.step(
+            draft_pb2.DraftRequest(keep=first.cached_tokens, append_token_ids=[3], num_speculative_tokens=2)
+        )
+        assert second.result == OK
+        session.close()
+        # ... and once it ends, the server stops without waiting out the grace period.
+        drain.join(10)
+        assert not drain.is_alive()
+    assert server._stopped.is_set()
