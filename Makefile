@@ -10,7 +10,7 @@ PAIR ?= default_models/pair
 PROMPT ?= def fibonacci(n):
 HOST ?= 127.0.0.1
 
-.PHONY: setup proto lint test run bench load-bench wheel models evaluate clean
+.PHONY: setup proto lint test run bench load-bench soak wheel models evaluate clean
 
 setup: $(INSTALLED) $(GENERATED)
 
@@ -47,6 +47,11 @@ bench: setup
 # Throughput and latency under 1 to 16 concurrent clients (bench/load.py).
 load-bench: setup
 	$(PY) -m bench --concurrency 1,2,4,8,16 --prompts 8 --max-new-tokens 64
+
+# Many clients with cancellations and bad requests for MINUTES (default 10); a 60-second run is in make test.
+MINUTES ?= 10
+soak: setup
+	$(PY) -m bench.soak --minutes $(MINUTES)
 
 # The installable wheel (gRPC code generated into it), in dist/.
 wheel: setup

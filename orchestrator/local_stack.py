@@ -73,8 +73,13 @@ class LocalStack:
     orchestrator_address: str = ""
     target_address: str = ""
     draft_address: str = ""
+    with_metrics: bool = False  # give each process a Prometheus port (metrics_ports, by name)
+    metrics_ports: dict[str, int] = field(default_factory=dict)
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        if self.with_metrics:
+            self.metrics_ports[name] = free_port()
+            args = [*args, "--metrics-port", str(self.metrics_ports[name])]
         out: IO[bytes] | int = subprocess.DEVNULL
         if self.log_dir:
             out = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()

@@ -1,0 +1,25 @@
+"""A one-minute soak (make soak runs ten): 32 clients with cancellations and bad requests on the default
+pair. Only expected errors, every session freed at the end, greedy outputs exact, memory flat."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.soak import run_soak
+from orchestrator.local_stack import DEFAULT_PAIR
+
+GROWTH_GOAL = 0.10
+
+
+@pytest.mark.slow
+def test_one_minute_soak(tmp_path):
+    # A minute is short: the first half warms up (slot storage grows to the longest session and the
+    # most sessions at once), and the RSS goal holds over the second half.
+    report = run_soak(1.0, 32, str(DEFAULT_PAIR / "target"), str(DEFAULT_PAIR / "draft"), tmp_path, warm_up_share=0.5)
+    print(f"soak: {report.served} served, errors {report.errors}, RSS growth {report.rss_growth}")
+    assert not report.unexpected, report.unexpected[:5]
+    assert report.served > 50 and report.errors.get("INVALID_ARGUMENT", 0) > 0 and report.errors.get("CANCELLED", 0) > 0
+    assert report.sessions_at_end == {"target": 0.0, "draft": 0.0}
+    assert report.cached_tokens_at_end == {"target": 0.0, "draft": 0.0}
+    assert report.greedy_checked > 0 and report.greedy_mismatches == 0, report.greedy_near_ties
+    assert all(growth < GROWTH_GOAL for growth in report.rss_growth.values()), report.rss_growth
