@@ -43,6 +43,7 @@ run: setup
 
 bench: setup
 	$(PY) -m bench
+	$(PY) -m bench.gateway
 
 # Throughput and latency under 1 to 16 concurrent clients (bench/load.py).
 load-bench: setup

@@ -229,8 +229,8 @@ class Generation:
         """The rest of a speculative block when its first token guessed the bonus token, else None.
 
         Its tokens were sampled from the draft given exactly the sequence now committed, so they are
-        as valid a proposal as a block drafted now; otherwise it is dropped (_commit already rolled
-        the draft back to the accepted prefix).
+        as valid a proposal as a block drafted now; otherwise it is dropped (the draft's next step keeps
+        only what it shares with the sequence).
         """
         if (
             len(speculative.token_ids) < 2
@@ -239,8 +239,6 @@ class Generation:
             or speculative.token_ids[0] != tokens[-1]
         ):
             return None
-        assert self.draft is not None
-        self.draft.fed = speculative.fed
         return speculative.rest()
 
     def _round_k(self, produced: int) -> int:
@@ -281,14 +279,12 @@ class Generation:
             return NO_DRAFT
         try:
             started = time.perf_counter()
-            keep_sent = [0]
-
-            def build(keep: int) -> draft_pb2.DraftRequest:
-                keep_sent[0] = keep
-                return self._draft_request(context, keep, k)
-
             async with asyncio.timeout(self.draft_timeout_s):
-                response = await draft.step(build)
+                response = await draft.step(
+                    context,
+                    lambda keep: self._draft_request(context, keep, k),
+                    fed_beyond=lambda response: response.draft_token_ids,  # all but the last are fed
+                )
             probs = None
             if not self.request.sampling.greedy:
                 probs = decode_prob_rows(response.draft_probs, self.limits.vocab_size)
@@ -305,30 +301,29 @@ class Generation:
             self.stats.draft_fallback_rounds += 1
             draft.reset()
             return NO_DRAFT
-        draft.fed = len(context) + len(token_ids) - 1
         self.stats.draft_seconds += response.timing.forward_seconds
         if self.load is not None:
-            fed = len(context) - keep_sent[0]
-            self.load.observe_draft(response.timing, len(token_ids), fed, time.perf_counter() - started)
-        return Draft(token_ids=token_ids, probs=probs, forward_seconds=response.timing.forward_seconds, fed=draft.fed)
+            self.load.observe_draft(response.timing, len(token_ids), draft.last_fed, time.perf_counter() - started)
+        return Draft(token_ids=token_ids, probs=probs, forward_seconds=response.timing.forward_seconds)
 
     async def _verify(self, draft: Draft) -> tuple[Verdict, float]:
         """The target's verdict on a block, and the target's forward seconds."""
-        sequence = self.sequence
+        context = [*self.sequence, *draft.token_ids]
         rows = len(draft.token_ids) + 1
         sampling = self.sampling_proto
-        feeds = len(sequence) - self.target.fed + len(draft.token_ids)  # unless the session was lost
         started = time.perf_counter()
         try:
             async with asyncio.timeout(self.target_timeout_s):
                 response = await self.target.step(
+                    context,
                     lambda keep: target_pb2.VerifyRequest(
                         request_id=self.request.request_id,
                         keep=keep,
-                        append_token_ids=[*sequence[keep:], *draft.token_ids],
+                        append_token_ids=context[keep:],
                         num_rows=rows,
                         sampling=sampling,
-                    )
+                    ),
+                    min_append=rows,  # the rows start at the last committed token
                 )
         except TimeoutError as exc:
             self.target.reset()  # the replica is avoided for a while
@@ -339,7 +334,7 @@ class Generation:
         target_seconds = response.timing.forward_seconds
         self.stats.target_seconds += target_seconds
         if self.load is not None:
-            self.load.observe_target(response.timing, feeds, time.perf_counter() - started)
+            self.load.observe_target(response.timing, self.target.last_fed, time.perf_counter() - started)
         draft_ids = torch.tensor(draft.token_ids, dtype=torch.long)  # [k]
         if self.request.sampling.greedy:
             argmax = torch.tensor(list(response.argmax_token_ids), dtype=torch.long)  # [k + 1]
@@ -352,8 +347,7 @@ class Generation:
         return verify_sampled(draft_ids, draft_probs, target_probs, self.generator), target_seconds
 
     def _commit(self, verdict: Verdict) -> list[int]:
-        """Append the round's tokens (cut after an EOS) and tell both caches what is still valid."""
-        n = len(self.sequence)
+        """Append the round's tokens (cut after an EOS); each service's next step keeps what it shares."""
         tokens = verdict.output_token_ids
         for index, token in enumerate(tokens):
             if token in self.limits.eos_token_ids:
@@ -363,10 +357,6 @@ class Generation:
         self.sequence.extend(tokens)
         if self.lookup is not None:
             self.lookup.extend(tokens)
-        # Both caches hold the old sequence plus the draft tokens they were fed; the accepted ones stay.
-        self.target.fed = n + verdict.num_accepted
-        if self.draft is not None:
-            self.draft.fed = min(self.draft.fed, n + verdict.num_accepted)
         return tokens
 
     def _check_finished(self, tokens: list[int], produced: int) -> None:

@@ -91,7 +91,6 @@ class Draft:
     token_ids: list[int]  # [k]
     probs: torch.Tensor | None  # [k, vocab]; None for greedy
     forward_seconds: float = 0.0  # the draft service's forward time for this block
-    fed: int = 0  # the draft session's valid length right after drafting this block
     proposer: str = MODEL  # MODEL (the draft service) or NGRAM (prompt lookup)
 
     def first(self, k: int) -> Draft:
@@ -99,14 +98,12 @@ class Draft:
         if k >= len(self.token_ids):
             return self
         probs = self.probs[:k] if self.probs is not None else None
-        # The draft session fed every token of the block but its last; the dropped tail is not valid.
-        fed = self.fed - (len(self.token_ids) - k)
-        return Draft(self.token_ids[:k], probs, self.forward_seconds, fed, self.proposer)
+        return Draft(self.token_ids[:k], probs, self.forward_seconds, self.proposer)
 
     def rest(self) -> Draft:
         """All but the first token (which turned out to be the bonus token); costs nothing more."""
         probs = self.probs[1:] if self.probs is not None else None
-        return Draft(self.token_ids[1:], probs, 0.0, self.fed, self.proposer)
+        return Draft(self.token_ids[1:], probs, 0.0, self.proposer)
 
 
 NO_DRAFT = Draft(token_ids=[], probs=None)

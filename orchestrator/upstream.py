@@ -12,7 +12,7 @@ import asyncio
 import random
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -171,25 +171,56 @@ class SessionMessage(Protocol):
 RequestT = TypeVar("RequestT", bound=SessionMessage)
 ResponseT = TypeVar("ResponseT", bound=SessionMessage)
 
+_TAIL = 64  # where a new context usually departs from what the replica holds: within its last tokens
+
+
+def reusable_prefix(held: Sequence[int], context: Sequence[int], min_append: int) -> int:
+    """How many tokens of `held` (what a replica's cache holds) the next step can keep: their common
+    prefix with `context` (the tokens the step needs fed), leaving at least `min_append` to feed."""
+    most = min(len(held), len(context) - min_append)
+    if most <= 0:
+        return 0
+    start = max(0, most - _TAIL)
+    if held[:start] != context[:start]:  # rare (a new session): scan from the beginning
+        start = 0
+    for index in range(start, most):
+        if held[index] != context[index]:
+            return index
+    return most
+
 
 @dataclass
 class SessionStream(Generic[RequestT, ResponseT]):
-    """One session on one replica of a model service, reopened when lost."""
+    """One session on one replica of a model service, reopened when lost.
+
+    The stream alone knows what the replica's cache holds (`held`): each step keeps the longest prefix
+    of it that the new context shares and feeds the rest, so rollback after a rejection, the draft's
+    never-fed last token and blocks drafted ahead need no bookkeeping of their own."""
 
     pool: ReplicaPool
     open_call: Callable[[Any, tuple[tuple[str, str], ...]], Any]  # (stub, metadata) -> stream call
     request_id: str
     attempts: int = 4
     backoff_s: float = 0.25
-    fed: int = 0  # tokens of the canonical sequence the replica's cache holds
+    held: list[int] = field(default_factory=list)  # the tokens the replica's cache holds, in order
+    last_fed: int = 0  # tokens the last successful step fed
     reopens: int = 0  # times the session was reopened with the full sequence
     wire_bytes: int = 0
     replica: Replica | None = None
     _call: Any = field(default=None, repr=False)
     _closed: bool = False
 
-    async def step(self, build: Callable[[int], RequestT]) -> ResponseT:
-        """Send build(keep) and return the response; on a lost session, reopen and resend with keep 0."""
+    async def step(
+        self,
+        context: Sequence[int],
+        build: Callable[[int], RequestT],
+        min_append: int = 1,
+        fed_beyond: Callable[[ResponseT], Sequence[int]] | None = None,
+    ) -> ResponseT:
+        """Send build(keep) for a step that needs `context` fed (keep: what the replica holds of it; at
+        least `min_append` tokens are fed anyway) and return the response; on a lost session, reopen and
+        resend with keep 0. `fed_beyond(response)` names tokens the step fed after `context` (a draft's
+        own tokens); the response's `cached_tokens` says how many of all those the replica now holds."""
         if self._closed:
             raise unavailable(f"the {self.pool.name} session of request {self.request_id} is closed")
         backoff = self.backoff_s
@@ -198,7 +229,8 @@ class SessionStream(Generic[RequestT, ResponseT]):
         for attempt in range(self.attempts + 1):  # one more for a cache miss on a healthy replica
             if self._call is None:
                 self._open()
-            request = build(self.fed)
+            keep = reusable_prefix(self.held, context, min_append)
+            request = build(keep)
             try:
                 await self._call.write(request)
                 response = await self._call.read()
@@ -224,9 +256,12 @@ class SessionStream(Generic[RequestT, ResponseT]):
             self.wire_bytes += request.ByteSize() + response.ByteSize()
             if response.result == common_pb2.SESSION_RESULT_CACHE_MISS:  # type: ignore[attr-defined]
                 log.info("cache_miss", service=self.pool.name, replica=self._address)
-                self.fed = 0
+                self.held = []
                 self.reopens += 1
                 continue
+            fed = [*context, *(fed_beyond(response) if fed_beyond else ())]
+            self.held = fed[: response.cached_tokens]  # type: ignore[attr-defined]
+            self.last_fed = len(context) - keep
             return response
         raise unavailable(
             f"{self.pool.name} service unavailable after {self.attempts} tries ({last_error}); "
@@ -242,9 +277,9 @@ class SessionStream(Generic[RequestT, ResponseT]):
         self.replica = self.pool.pick(avoid=previous)
         self.replica.active += 1
         self._call = self.open_call(self.replica.stub, ((REQUEST_ID_METADATA, self.request_id),))
-        if self.fed or previous is not None:
+        if self.held or previous is not None:
             self.reopens += 1
-        self.fed = 0
+        self.held = []
 
     def _drop(self, failed: bool) -> None:
         """Unpin from the replica (kept in self.replica so a reopen can avoid it)."""
@@ -259,7 +294,7 @@ class SessionStream(Generic[RequestT, ResponseT]):
     def reset(self) -> None:
         """Drop the stream after a failure; the next step opens a new one with the full sequence."""
         self._drop(failed=True)
-        self.fed = 0
+        self.held = []
 
     def close(self) -> None:
         """End the stream (safe inside a cancelled task); the service frees the session's cache at once."""

@@ -96,3 +96,64 @@ def test_replica_gone_from_dns_keeps_its_channel_until_its_sessions_end(monkeypa
         await pool.close()
 
     asyncio.run(scenario())
+
+
+def test_a_hung_target_replica_gives_a_deadline_error_and_is_avoided(tiny_pair, target_model):
+    """A replica that stops answering (SIGSTOP): the request pinned to it ends with DEADLINE_EXCEEDED
+    after --target-timeout-s, and the next requests go to the other replica."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import grpc
+
+    from orchestrator.local_stack import free_port, wait_serving
+
+    port = free_port()
+    hung = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "target_service",
+            "--model",
+            str(tiny_pair.target),
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+        ],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    healthy = start_target(target_model)
+    orchestrator = None
+    try:
+        wait_serving(f"{LOOPBACK}:{port}", 120, hung)
+        addresses = f"{LOOPBACK}:{port},{LOOPBACK}:{healthy.port}"
+        orchestrator = OrchestratorThread(orchestrator_config(addresses, target_timeout_s=2.0))
+        calls = [orchestrator.stub.Generate(_request([5, 6], 200)) for _ in range(2)]
+        for call in calls:
+            next(call)  # one request on each replica (least pinned first)
+        hung.send_signal(signal.SIGSTOP)
+        outcomes = []
+        for call in calls:
+            try:
+                for _ in call:
+                    pass
+                outcomes.append("ok")
+            except grpc.RpcError as error:
+                outcomes.append(error.code().name)
+        assert sorted(outcomes) == ["DEADLINE_EXCEEDED", "ok"], outcomes
+        prompt = [7, 3]
+        for _ in range(3):  # the hung replica is avoided: these are served by the other one
+            ids, _, _ = collect(orchestrator.stub, _request(prompt, 6))
+            assert ids == hf_greedy(target_model, prompt, 6)
+    finally:
+        hung.send_signal(signal.SIGCONT)
+        hung.kill()
+        hung.wait()
+        if orchestrator is not None:
+            orchestrator.stop()
+        healthy.stop()

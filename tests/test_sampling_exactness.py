@@ -26,6 +26,7 @@ from draft_service.servicer import choose_token
 from model_host.logits import logits_to_probs
 from orchestrator.generation import DraftAvailability, Generation, GenerationRequest, ModelLimits
 from orchestrator.k_policy import FixedK
+from orchestrator.upstream import reusable_prefix
 from serving.sampling import SamplingParams, seeded_generator
 from serving.tensors import encode_prob_rows
 from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2, target_pb2
@@ -67,11 +68,21 @@ class TableTarget:
     def __init__(self, logits: dict[tuple[int, ...], torch.Tensor]) -> None:
         self.logits = logits
         self.seen: list[int] = []
-        self.fed = self.reopens = self.wire_bytes = 0
+        self.last_fed = self.reopens = self.wire_bytes = 0
 
-    async def step(self, build: Callable[[int], Any]) -> target_pb2.VerifyResponse:
-        request = build(self.fed)
-        self.seen = self.seen[: request.keep] + list(request.append_token_ids)
+    def _request(self, context: list[int], build: Callable[[int], Any], min_append: int) -> Any:
+        """The request as SessionStream builds it; the tokens it leaves the session with must be `context`."""
+        keep = reusable_prefix(self.seen, context, min_append)
+        request = build(keep)
+        assert self.seen[: request.keep] + list(request.append_token_ids) == list(context)
+        self.last_fed = len(context) - keep
+        return request
+
+    async def step(
+        self, context: list[int], build: Callable[[int], Any], min_append: int = 1, fed_beyond: Any = None
+    ) -> target_pb2.VerifyResponse:
+        request = self._request(context, build, min_append)
+        self.seen = list(context)
         first = len(self.seen) - request.num_rows + 1
         rows = torch.stack([self.logits[tuple(self.seen[: first + i])] for i in range(request.num_rows)])
         probs = logits_to_probs(rows, SamplingParams.from_proto(request.sampling))
@@ -84,9 +95,11 @@ class TableTarget:
 class TableDraft(TableTarget):
     """A draft session drafting with the draft service's own `choose_token` and seeding."""
 
-    async def step(self, build: Callable[[int], Any]) -> draft_pb2.DraftResponse:  # type: ignore[override]
-        request = build(self.fed)
-        sequence = self.seen[: request.keep] + list(request.append_token_ids)
+    async def step(  # type: ignore[override]
+        self, context: list[int], build: Callable[[int], Any], min_append: int = 1, fed_beyond: Any = None
+    ) -> draft_pb2.DraftResponse:
+        request = self._request(context, build, min_append)
+        sequence = list(context)
         params = SamplingParams.from_proto(request.sampling)
         generator = seeded_generator(request.seed)
         tokens: list[int] = []

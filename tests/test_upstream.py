@@ -50,7 +50,7 @@ def _step(errors: list[grpc.aio.AioRpcError | None]) -> tuple[Stream, list[_Stre
         await pool.start()
         stream: Stream = SessionStream(pool, open_call, request_id="r1", attempts=2, backoff_s=0.0)
         try:
-            await stream.step(lambda keep: target_pb2.VerifyRequest(keep=keep))
+            await stream.step([1, 2], lambda keep: target_pb2.VerifyRequest(keep=keep))
         finally:
             await pool.close()
         return stream
@@ -86,3 +86,21 @@ def test_a_handler_error_is_reported_not_retried(code, details):
     with pytest.raises(ServiceError) as raised:
         _step([_error(code, details), None])
     assert raised.value.code == code and details in raised.value.message
+
+
+@pytest.mark.parametrize(
+    ("held", "context", "min_append", "keep"),
+    [
+        ([], [1, 2, 3], 1, 0),  # a new session: feed everything
+        ([1, 2, 3], [1, 2, 3, 4], 1, 3),  # the next token
+        ([1, 2, 3, 9, 9], [1, 2, 3, 4, 5], 1, 3),  # a rejected block rolls back
+        ([1, 2, 3], [1, 2, 3], 1, 2),  # at least one token is fed (a draft continues from it)
+        ([1, 2, 3, 4], [1, 2, 3, 4, 7, 8], 3, 3),  # a verify feeds its rows' tokens: the last committed too
+        ([5, 2, 3], [1, 2, 3, 4], 1, 0),  # nothing shared
+        (list(range(500)), [*range(100), 7, *range(101, 400)], 1, 100),  # a difference far from the end
+    ],
+)
+def test_reusable_prefix(held, context, min_append, keep):
+    from orchestrator.upstream import reusable_prefix
+
+    assert reusable_prefix(held, context, min_append) == keep
