@@ -10,7 +10,8 @@ all requests of one orchestrator: it describes the services, never a request.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 from specdec.v1 import common_pb2
 
@@ -71,6 +72,56 @@ class CostCurve:
         return estimate
 
 
+class SpeculationGate:
+    """Whether speculation pays at the current load: measured, not predicted.
+
+    The cost model prices a round from forward times, but on shared hardware the draft's work also slows
+    the target's forwards for other requests, which no per-round price sees (measured on 2 cores: at 8
+    streams, K = 2 rounds took twice what the model predicted). So the orchestrator also measures what
+    matters, server-wide: committed tokens per second over one-second epochs, in epochs where load-aware
+    requests may speculate and epochs where they run K = 0, for each load level (running requests, by
+    powers of two). Once both are known at a level it keeps the faster, trying the other one epoch in
+    `explore_every`.
+    """
+
+    def __init__(
+        self, epoch_s: float = 1.0, explore_every: int = 8, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.epoch_s = epoch_s
+        self.explore_every = explore_every
+        self._clock = clock
+        self.speculate = True  # this epoch's mode
+        self._started: float | None = None
+        self._tokens = 0
+        # level -> [rate at K = 0, rate speculating] (committed tokens per second), None until measured
+        self._rates: dict[int, list[float | None]] = {}
+        self._epochs: dict[int, int] = {}
+
+    def record(self, tokens: int, running: int) -> None:
+        """A round committed `tokens` while `running` requests were generating."""
+        now = self._clock()
+        if self._started is None:
+            self._started = now
+        self._tokens += tokens
+        if now - self._started >= self.epoch_s:
+            self._close_epoch(now, running.bit_length())
+
+    def _close_epoch(self, now: float, level: int) -> None:
+        assert self._started is not None
+        rate = self._tokens / (now - self._started)
+        rates = self._rates.setdefault(level, [None, None])
+        old = rates[self.speculate]
+        rates[self.speculate] = rate if old is None else _DECAY * old + (1 - _DECAY) * rate
+        epochs = self._epochs[level] = self._epochs.get(level, 0) + 1
+        plain, speculating = rates
+        if speculating is None or plain is None:
+            self.speculate = speculating is None  # measure the mode still unknown
+        else:
+            best = speculating > plain
+            self.speculate = (not best) if epochs % self.explore_every == 0 else best
+        self._started, self._tokens = now, 0
+
+
 class ServiceLoad:
     """The target's and the draft's cost curves, the target's current batch size, and each service's
     per-step overhead beyond its forward passes."""
@@ -81,6 +132,12 @@ class ServiceLoad:
         self.batch_size = 1.0  # sessions in a target forward, recently
         self.target_overhead_s = 0.0
         self.draft_overhead_s = 0.0
+        self.running = 0  # requests generating now (kept by the orchestrator's admission)
+        self.gate = SpeculationGate()
+
+    def record_round(self, tokens: int) -> None:
+        """A round of any request committed `tokens`."""
+        self.gate.record(tokens, self.running)
 
     def set_draft(self, info: common_pb2.ModelInfo) -> None:
         self.draft = CostCurve.from_info(info)

@@ -9,7 +9,9 @@
   round under the services' current load (orchestrator/costs.py): K draft forwards at batch B plus a
   target forward over B (K + 1) tokens plus each step's overhead. K = 0 (the target alone) wins when
   speculation does not pay; while there, a probe round every few rounds keeps the acceptance estimate
-  alive, so speculation comes back when load falls.
+  alive, so speculation comes back when load falls. Above the per-round price, a server-wide gate
+  (costs.SpeculationGate) measures whether speculating epochs really commit more tokens per second
+  than K = 0 epochs at the current load, and holds every load-aware request at K = 0 while they do not.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ class LoadAwareK(KPolicy):
         return self._accepted / self._trials
 
     def next_k(self) -> int:
-        if self.max_k == 0:
+        if self.max_k == 0 or not self.load.gate.speculate:
             return 0
         if self._rounds_without_draft >= self.probe_every:
             return 1  # a probe: one cheap draft token refreshes the acceptance estimate

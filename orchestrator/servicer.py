@@ -359,6 +359,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         finish: int = orchestrator_pb2.FINISH_REASON_UNSPECIFIED
         streamed = 0
         await self.admission.acquire()
+        self.load.running = self.admission.running
         generation = self._generation(generation_request, policy)
         metrics.REQUESTS_RUNNING.inc()
         structlog.contextvars.bind_contextvars(request_id=generation_request.request_id)
@@ -403,6 +404,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         finally:
             generation.close()
             self.admission.release()
+            self.load.running = self.admission.running
             metrics.REQUESTS_RUNNING.dec()
             structlog.contextvars.unbind_contextvars("request_id")
 

@@ -108,3 +108,35 @@ def test_an_explicit_k_bounds_load_aware():
     for _ in range(10):
         policy.observe(_verdict(2, 2))
     assert policy.next_k() == 2
+
+
+def test_the_gate_measures_whether_speculating_pays_at_each_load():
+    from orchestrator.costs import SpeculationGate
+
+    now = [0.0]
+    gate = SpeculationGate(epoch_s=1.0, explore_every=4, clock=lambda: now[0])
+    rate = {True: 50, False: 80}  # at 8 running requests, K = 0 commits more tokens per second
+
+    def epoch(running: int) -> bool:
+        mode = gate.speculate
+        for _ in range(10):
+            gate.record(rate[mode] // 10, running)
+            now[0] = round(now[0] + 0.1, 6)
+        gate.record(0, running)  # closes the epoch
+        return mode
+
+    modes = [epoch(8) for _ in range(12)]
+    assert modes[:2] == [True, False]  # both measured first
+    assert modes[2:].count(True) <= 3 and modes[-1] is False  # then K = 0, speculation tried now and then
+    # At another load level the measurements are its own: there speculation pays, and stays on.
+    rate.update({True: 120, False: 80})
+    levels = [epoch(1) for _ in range(8)]
+    assert levels[-3:] == [True, True, True]
+
+
+def test_load_aware_stays_at_zero_while_the_gate_is_closed():
+    load = _load([(1, 0.020), (256, 0.021)], [(1, 0.0001)], batch_size=1)
+    policy = LoadAwareK(4, 4, load)
+    assert policy.next_k() > 0
+    load.gate.speculate = False
+    assert policy.next_k() == 0
