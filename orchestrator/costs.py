@@ -136,7 +136,7 @@ class ServiceLoad:
         self.gate = SpeculationGate()
 
     def record_round(self, tokens: int) -> None:
-        """A round of any request committed `tokens`."""
+        """A round of a load-aware request committed `tokens`."""
         self.gate.record(tokens, self.running)
 
     def set_draft(self, info: common_pb2.ModelInfo) -> None:

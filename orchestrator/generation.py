@@ -182,8 +182,6 @@ class Generation:
                 self.policy.observe(verdict, draft.forward_seconds, target_seconds)
             self.stats.record_round(verdict, draft.proposer)
             tokens = self._commit(verdict)
-            if self.load is not None:
-                self.load.record_round(len(tokens))
             ready = self._still_valid(speculative, verdict, tokens)
             produced += len(tokens)
             if produced == len(tokens):

@@ -150,6 +150,8 @@ class LoadAwareK(KPolicy):
         return best if goodput[best] > self.margin * goodput[0] else 0
 
     def observe(self, verdict: Verdict, draft_seconds: float = 0.0, target_seconds: float = 0.0) -> None:
+        # Only load-aware requests feed the gate: its modes are theirs.
+        self.load.record_round(len(verdict.output_token_ids))
         if verdict.num_drafted == 0:
             self._rounds_without_draft += 1
             return
