@@ -39,7 +39,7 @@ test: lint
 
 # A real speculative generation through three gRPC services on loopback, with the default pair.
 run: setup
-	$(PY) -m orchestrator.local_stack --target-model $(PAIR)/target --draft-model $(PAIR)/draft --prompt "$(PROMPT)"
+	$(PY) -m tools.local_stack --target-model $(PAIR)/target --draft-model $(PAIR)/draft --prompt "$(PROMPT)"
 
 bench: setup
 	$(PY) -m bench

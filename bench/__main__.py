@@ -29,7 +29,7 @@ from bench.report import as_json, plot, summarise, table
 from bench.runs import Config, HuggingFaceRunner, Sample, ServiceRunner, default_configs
 from default_models.prompts import edit_prompts, held_out_prompts
 from model_host.loading import load_model
-from orchestrator.local_stack import LocalStack
+from tools.local_stack import LocalStack
 
 
 def run_all(args: argparse.Namespace, configs: list[Config], prompts: list[str]) -> list[Sample]:

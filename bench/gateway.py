@@ -20,8 +20,8 @@ import grpc
 import openai
 
 from default_models.prompts import held_out_prompts
-from orchestrator.local_stack import DEFAULT_PAIR, LOOPBACK, LocalStack, free_port
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from tools.local_stack import DEFAULT_PAIR, LOOPBACK, LocalStack, free_port
 
 
 def _grpc_stream(stub: orchestrator_pb2_grpc.OrchestratorStub, prompt: str, tokens: int) -> tuple[float, int]:

@@ -230,7 +230,7 @@ def plot_load(rows: list[dict[str, float | str | int]], out: Path) -> Path:
 def run_load(args: Namespace, prompts_text: list[str]) -> int:
     """The load mode of `python -m bench`."""
     from model_host.loading import load_model
-    from orchestrator.local_stack import LocalStack
+    from tools.local_stack import LocalStack
 
     concurrencies = [int(c) for c in args.concurrency.split(",") if c]
     target = load_model(args.target_model)

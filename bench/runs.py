@@ -10,9 +10,9 @@ import grpc
 import torch
 
 from model_host.loading import LoadedModel
-from orchestrator.client import GenerateResult, generate
 from serving.protocol import DRAFT_METHOD_BY_NAME, POLICY_BY_NAME
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from tools.client import GenerateResult, generate
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,9 @@ import psutil
 import torch
 
 from model_host.loading import LoadedModel, load_model
-from orchestrator.local_stack import DEFAULT_PAIR, LocalStack
 from serving.protocol import DRAFT_METHOD_BY_NAME, POLICY_BY_NAME
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from tools.local_stack import DEFAULT_PAIR, LocalStack
 
 _WARM_UP_SHARE = 0.2  # RSS growth is measured from the end of this share of the run
 _SAMPLE_EVERY_S = 1.0

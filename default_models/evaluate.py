@@ -33,9 +33,9 @@ from default_models.prompts import held_out_prompts
 from draft_service.lean import LeanDraft
 from model_host.kv_slots import Row, SlotStore
 from model_host.loading import LoadedModel, load_model
-from orchestrator.client import generate
-from orchestrator.local_stack import LocalStack
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from tools.client import generate
+from tools.local_stack import LocalStack
 
 WINDOW = 256
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 from default_models.corpus import load_corpus, read_text
@@ -30,9 +31,8 @@ def _header(source_lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDe
     return "".join(line[offset:] if line[:offset].isspace() else line for line in header).rstrip()
 
 
-def function_headers(files: list[Path]) -> list[str]:
-    """Every function header in `files` (20 to 400 characters, undecorated), in file order."""
-    headers: list[str] = []
+def _functions(files: list[Path]) -> Iterator[tuple[list[str], ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """Every function definition in `files` that parse, with its file's lines, in file order."""
     for path in files:
         text = read_text(path)
         try:
@@ -42,9 +42,16 @@ def function_headers(files: list[Path]) -> list[str]:
         lines = text.splitlines(keepends=True)
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                header = _header(lines, node)
-                if header and 20 <= len(header) <= 400 and not header.lstrip().startswith("@"):
-                    headers.append(header)
+                yield lines, node
+
+
+def function_headers(files: list[Path]) -> list[str]:
+    """Every function header in `files` (20 to 400 characters, undecorated), in file order."""
+    headers: list[str] = []
+    for lines, node in _functions(files):
+        header = _header(lines, node)
+        if header and 20 <= len(header) <= 400 and not header.lstrip().startswith("@"):
+            headers.append(header)
     return headers
 
 
@@ -64,25 +71,18 @@ def make_edit_prompts(count: int, stdlib: Path | None = None) -> list[str]:
     """Edit-style prompts from the held-out modules: a whole function (6 to 15 lines), two blank lines,
     then the same function's header, so that the continuation may copy the body it was shown."""
     prompts: list[str] = []
-    for path in load_corpus(stdlib).held_out_files:
-        text = read_text(path)
-        try:
-            tree = ast.parse(text)
-        except SyntaxError:
+    for lines, node in _functions(load_corpus(stdlib).held_out_files):
+        if not isinstance(node, ast.FunctionDef) or node.decorator_list or node.end_lineno is None:
             continue
-        lines = text.splitlines(keepends=True)
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.FunctionDef) or node.decorator_list or node.end_lineno is None:
-                continue
-            if not 6 <= node.end_lineno - node.lineno <= 15:
-                continue
-            header = _header(lines, node)
-            offset = node.col_offset
-            source = "".join(
-                line[offset:] if line[:offset].isspace() else line for line in lines[node.lineno - 1 : node.end_lineno]
-            ).rstrip()
-            if header and header.endswith(":") and len(source) < 900:
-                prompts.append(f"{source}\n\n\n{header}")
+        if not 6 <= node.end_lineno - node.lineno <= 15:
+            continue
+        header = _header(lines, node)
+        offset = node.col_offset
+        source = "".join(
+            line[offset:] if line[:offset].isspace() else line for line in lines[node.lineno - 1 : node.end_lineno]
+        ).rstrip()
+        if header and header.endswith(":") and len(source) < 900:
+            prompts.append(f"{source}\n\n\n{header}")
     step = max(1, len(prompts) // count)
     return prompts[::step][:count]
 

@@ -120,8 +120,8 @@ def hf_greedy(model: LoadedModel, prompt: list[int], max_new_tokens: int) -> lis
 
 
 def client_json(server: str, *args: str, timeout: float = 120) -> dict[str, Any]:
-    """Run `python -m orchestrator.client --json` against a server; its one JSON object."""
-    command = [sys.executable, "-m", "orchestrator.client", "--server", server, "--json", *args]
+    """Run `python -m tools.client --json` against a server; its one JSON object."""
+    command = [sys.executable, "-m", "tools.client", "--server", server, "--json", *args]
     output = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=True).stdout
     return dict(json.loads(output))
 

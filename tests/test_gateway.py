@@ -16,11 +16,11 @@ from transformers import AutoTokenizer
 from http_gateway.__main__ import GatewayConfig, connect
 from http_gateway.app import create_app, render_chat
 from http_gateway.openai_api import ApiError
-from orchestrator.local_stack import free_port
 from serving.security import ApiKeys
 from specdec.v1 import orchestrator_pb2
 from tests.conftest import collect, wait_until
 from tests.servers import LOOPBACK, OrchestratorThread, orchestrator_config
+from tools.local_stack import free_port
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w1{% endif %}"
 

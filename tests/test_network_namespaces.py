@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import uuid
@@ -15,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.local_stack import wait_serving
 from tests.conftest import client_json
+from tools.local_stack import orchestrator_command, service_command, stop_processes, wait_serving
 
 PORT = 50051
 # (namespace suffix, link name, orchestrator-side address, peer address); addresses stay inside the
@@ -80,84 +79,82 @@ def hosts() -> Iterator[dict[str, str]]:
         subprocess.run(["ip", "link", "del", f"pcli{tag}"], capture_output=True)
 
 
-def test_generation_across_three_hosts(hosts, tiny_pair, tmp_path: Path):
+def _start_hosts(
+    hosts: dict[str, str], tiny_pair, tmp_path: Path, *orchestrator_args: str
+) -> list[subprocess.Popen[bytes]]:
+    """The three services, each in its own namespace, with the command lines LocalStack uses."""
     target_address = f"{LINKS['target'][1]}:{PORT}"
     draft_address = f"{LINKS['draft'][1]}:{PORT}"
-    orchestrator_address = f"{LINKS['client'][0]}:{PORT}"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     commands = {
-        "target": [
-            "target_service",
-            "--model",
-            str(tiny_pair.target),
-            "--host",
-            LINKS["target"][1],
-            "--port",
-            str(PORT),
-        ],
-        "draft": [
-            "draft_service",
-            "--model",
-            str(tiny_pair.close_draft),
-            "--host",
-            LINKS["draft"][1],
-            "--port",
-            str(PORT),
-        ],
-        "orchestrator": [
-            "orchestrator",
-            "--target",
-            target_address,
-            "--draft",
-            draft_address,
-            "--host",
-            LINKS["client"][0],
-            "--port",
-            str(PORT),
-        ],
+        "target": service_command("target", str(tiny_pair.target), LINKS["target"][1], PORT),
+        "draft": service_command("draft", str(tiny_pair.close_draft), LINKS["draft"][1], PORT),
+        "orchestrator": orchestrator_command(
+            target_address, draft_address, LINKS["client"][0], PORT, *orchestrator_args
+        ),
     }
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     processes: list[subprocess.Popen[bytes]] = []
-    try:
-        for role in ("target", "draft", "orchestrator"):
-            log = open(tmp_path / f"{role}.log", "wb")  # noqa: SIM115
-            processes.append(
-                subprocess.Popen(
-                    ["ip", "netns", "exec", hosts[role], sys.executable, "-m", *commands[role]],
-                    stdout=log,
-                    stderr=log,
-                    env=env,
-                    cwd=Path(__file__).resolve().parents[1],
-                )
+    for role in ("target", "draft", "orchestrator"):
+        log = open(tmp_path / f"{role}.log", "wb")  # noqa: SIM115 - the process holds it
+        processes.append(
+            subprocess.Popen(
+                ["ip", "netns", "exec", hosts[role], sys.executable, "-m", *commands[role]],
+                stdout=log,
+                stderr=log,
+                env=env,
+                cwd=Path(__file__).resolve().parents[1],
             )
-        wait_serving(orchestrator_address, 120, processes[-1])
+        )
+    wait_serving(f"{LINKS['client'][0]}:{PORT}", 120, processes[-1])
+    return processes
+
+
+def test_generation_across_three_hosts(hosts, tiny_pair, tmp_path: Path):
+    target_address = f"{LINKS['target'][1]}:{PORT}"
+    orchestrator_address = f"{LINKS['client'][0]}:{PORT}"
+    processes = _start_hosts(hosts, tiny_pair, tmp_path)
+    try:
         result = client_json(
             orchestrator_address, "--prompt", "w2 w3", "--max-new-tokens", "10", "--num-speculative-tokens", "3"
         )
         assert len(result["token_ids"]) >= 1 and result["stats"]["draft_tokens"] > 0
         # The target is not reachable from the test's own host: only the orchestrator links to it.
         unreachable = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "orchestrator.client",
-                "--server",
-                target_address,
-                "--prompt",
-                "x",
-                "--timeout",
-                "1",
-            ],
+            [sys.executable, "-m", "tools.client", "--server", target_address, "--prompt", "x", "--timeout", "1"],
             capture_output=True,
             text=True,
             timeout=60,
         )
         assert unreachable.returncode != 0
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_processes(processes)
+
+
+def test_the_draft_link_going_down_mid_generation_leaves_the_output_exact(hosts, tiny_pair, target_model, tmp_path):
+    """The draft host's link is taken down mid-generation: the request finishes on the target alone, with
+    the target's own tokens."""
+    import grpc
+
+    from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+    from tests.conftest import hf_greedy
+
+    processes = _start_hosts(hosts, tiny_pair, tmp_path, "--draft-timeout-s", "1", "--draft-retry-after-s", "60")
+    prompt = [4, 8, 15, 16]
+    try:
+        with grpc.insecure_channel(f"{LINKS['client'][0]}:{PORT}") as channel:
+            stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+            request = orchestrator_pb2.GenerateRequest(
+                token_ids=orchestrator_pb2.TokenIds(ids=prompt), max_new_tokens=120, num_speculative_tokens=3
+            )
+            call = stub.Generate(request)
+            ids = list(next(call).token_ids)
+            tag = hosts["draft"].removeprefix("sddra")
+            _ip("-n", hosts["draft"], "link", "set", f"pdra{tag}", "down")
+            last = None
+            for message in call:
+                ids += message.token_ids
+                last = message
+        assert last is not None and last.stats.draft_fallback_rounds > 0
+        assert ids == hf_greedy(target_model, prompt, 120)
+    finally:
+        stop_processes(processes)

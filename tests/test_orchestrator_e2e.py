@@ -10,12 +10,12 @@ import grpc
 import pytest
 
 from orchestrator.app import start_orchestrator
-from orchestrator.local_stack import LocalStack
 from orchestrator.servicer import PairMismatch
 from specdec.v1 import orchestrator_pb2
 from tests.conftest import client_json, collect, hf_greedy, still_speculates, wait_until
 from tests.servers import OrchestratorThread, load, orchestrator_config, start_draft, start_target
 from tests.tiny_models import save, tiny_llama, word_tokenizer
+from tools.local_stack import LocalStack
 
 Request = orchestrator_pb2.GenerateRequest
 
@@ -153,7 +153,7 @@ def test_mismatched_vocabularies_are_refused(tmp_path, target_server):
 
 
 def test_unreachable_draft_falls_back_to_target_alone(target_server, target_model, close_draft_model):
-    from orchestrator.local_stack import free_port
+    from tools.local_stack import free_port
 
     port = free_port()  # nothing listens here yet
     orchestrator = OrchestratorThread(orchestrator_config(target_server, f"127.0.0.1:{port}", draft_retry_after_s=0.3))

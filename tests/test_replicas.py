@@ -108,7 +108,7 @@ def test_a_hung_target_replica_gives_a_deadline_error_and_is_avoided(tiny_pair, 
 
     import grpc
 
-    from orchestrator.local_stack import free_port, wait_serving
+    from tools.local_stack import free_port, wait_serving
 
     port = free_port()
     hung = subprocess.Popen(

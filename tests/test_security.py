@@ -91,7 +91,7 @@ def test_mutual_tls_refuses_clients_without_the_right_certificate(pki, target_mo
 
 
 def test_orchestrator_over_tls_with_api_keys(pki, target_model, tmp_path):
-    from orchestrator.local_stack import free_port
+    from tools.local_stack import free_port
 
     target = start_target(
         target_model, tls_cert=str(pki.server_cert), tls_key=str(pki.server_key), tls_client_ca=str(pki.ca)

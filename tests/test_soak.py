@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.soak import run_soak
-from orchestrator.local_stack import DEFAULT_PAIR
+from tools.local_stack import DEFAULT_PAIR
 
 GROWTH_GOAL = 0.10
 

@@ -1,6 +1,6 @@
 """Run draft, target and orchestrator as three processes on loopback, as `make run` does.
 
-    python -m orchestrator.local_stack [--target-model PATH] [--draft-model PATH] [--prompt TEXT]
+    python -m tools.local_stack [--target-model PATH] [--draft-model PATH] [--prompt TEXT]
     specdec-local                        (the same, installed; the shipped default pair)
 
 Each service is its own process with its own port, exactly as it would be on its own machine; this
@@ -26,8 +26,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import default_models
-from orchestrator.client import generate, summary
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from tools.client import generate, summary
 
 LOOPBACK = "127.0.0.1"
 # The default model pair, shipped with the package (default_models/pair).
@@ -56,6 +56,30 @@ def wait_serving(address: str, timeout_s: float, process: subprocess.Popen[bytes
                 pass
             time.sleep(0.2)
     raise TimeoutError(f"{address} was not SERVING within {timeout_s:.0f} s")
+
+
+def service_command(role: str, model: str, host: str, port: int, *extra: str) -> list[str]:
+    """The `python -m` arguments that start a model service ("target" or "draft")."""
+    return [f"{role}_service", "--model", model, "--host", host, "--port", str(port), *extra]
+
+
+def orchestrator_command(target: str, draft: str | None, host: str, port: int, *extra: str) -> list[str]:
+    """The `python -m` arguments that start an orchestrator over these services."""
+    return ["orchestrator", "--target", target, *(["--draft", draft] if draft else []), "--host", host,
+            "--port", str(port), *extra]  # fmt: skip
+
+
+def stop_processes(processes: Sequence[subprocess.Popen[bytes]], timeout_s: float = 15) -> None:
+    """SIGTERM every process by pid (the servers drain), then SIGKILL whatever is left."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 @dataclass
@@ -105,37 +129,15 @@ class LocalStack:
             target_port = free_port()
             self.target_address = f"{LOOPBACK}:{target_port}"
             target = self._spawn(
-                "target",
-                [
-                    "target_service",
-                    "--model",
-                    self.target_model,
-                    "--host",
-                    LOOPBACK,
-                    "--port",
-                    str(target_port),
-                    *self._service_args(),
-                ],
+                "target", service_command("target", self.target_model, LOOPBACK, target_port, *self._service_args())
             )
-            orchestrator_args = ["--target", self.target_address]
             waits = [(self.target_address, target)]
             if self.draft_model:
                 draft_port = free_port()
                 self.draft_address = f"{LOOPBACK}:{draft_port}"
                 draft = self._spawn(
-                    "draft",
-                    [
-                        "draft_service",
-                        "--model",
-                        self.draft_model,
-                        "--host",
-                        LOOPBACK,
-                        "--port",
-                        str(draft_port),
-                        *self._service_args(),
-                    ],
+                    "draft", service_command("draft", self.draft_model, LOOPBACK, draft_port, *self._service_args())
                 )
-                orchestrator_args += ["--draft", self.draft_address]
                 waits.append((self.draft_address, draft))
             for address, process in waits:
                 wait_serving(address, self.startup_timeout_s, process)
@@ -143,15 +145,9 @@ class LocalStack:
             self.orchestrator_address = f"{LOOPBACK}:{port}"
             orchestrator = self._spawn(
                 "orchestrator",
-                [
-                    "orchestrator",
-                    *orchestrator_args,
-                    "--host",
-                    LOOPBACK,
-                    "--port",
-                    str(port),
-                    *self.extra_orchestrator_args,
-                ],
+                orchestrator_command(
+                    self.target_address, self.draft_address or None, LOOPBACK, port, *self.extra_orchestrator_args
+                ),
             )
             wait_serving(self.orchestrator_address, self.startup_timeout_s, orchestrator)
         except BaseException:
@@ -161,15 +157,7 @@ class LocalStack:
 
     def stop(self) -> None:
         """SIGTERM every process by pid (they drain), then SIGKILL whatever is left."""
-        for process in self.processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes:
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_processes(self.processes)
         self.processes.clear()
         for log in self._logs:
             log.close()
@@ -181,7 +169,7 @@ class LocalStack:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="orchestrator.local_stack", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="tools.local_stack", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--target-model", default=str(DEFAULT_PAIR / "target"), help="default: the shipped pair's")
     parser.add_argument("--draft-model", default=str(DEFAULT_PAIR / "draft"), help="default: the shipped pair's")

@@ -1,6 +1,6 @@
 """Command-line client: stream a generation to the terminal, or print one JSON object.
 
-python -m orchestrator.client --server HOST:PORT --prompt TEXT [--json]
+python -m tools.client --server HOST:PORT --prompt TEXT [--json]
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def summary(result: GenerateResult) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="orchestrator.client", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="tools.client", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--server", default="127.0.0.1:50050", help="orchestrator HOST:PORT")
     parser.add_argument("--prompt", required=True, help="prompt text")
