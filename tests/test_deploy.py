@@ -105,8 +105,8 @@ def test_probes_use_grpc_or_http_health_on_a_container_port(rendered):
                     continue
                 port = container[probe]["grpc"]["port"]
                 assert port in ports, (deployment["metadata"]["name"], probe)
-                if "SPECDEC_TLS_CERT" in env:  # gRPC probes cannot speak TLS: the plaintext health port
-                    assert str(port) == env["SPECDEC_HEALTH_PORT"], (overlay, deployment["metadata"]["name"])
+                # The health-only port: its own threads (streams cannot starve it) and plaintext (with TLS).
+                assert str(port) == env["SPECDEC_HEALTH_PORT"], (overlay, deployment["metadata"]["name"])
             startup = container["startupProbe"]
             assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # room to load a model
 
@@ -171,7 +171,7 @@ def test_network_policies_admit_only_the_orchestrator_to_the_services(rendered):
                 assert len(peers) == 1
                 assert peers[0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "orchestrator"
             else:
-                assert ports == {9090}  # metrics only
+                assert ports == {9090, 50052}  # metrics and the health-only port
 
 
 def test_restricted_security_context(rendered):
