@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
 from http_gateway.openai_api import (
-    _EXTENSIONS,
     COMPLETIONS_DEFAULT_MAX_TOKENS,
+    EXTENSION_FIELDS,
     FINISH_REASONS,
     ApiError,
     Parsed,
@@ -52,7 +52,7 @@ _HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 _DISCONNECT_POLL_S = 0.1
-_COMMON_FIELDS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", *_EXTENSIONS}
+_COMMON_FIELDS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", *EXTENSION_FIELDS}
 
 
 @dataclass

@@ -99,7 +99,7 @@ def check_fields(body: dict[str, Any], known: set[str]) -> None:
             raise invalid(f"unknown field `{name}`", name)
 
 
-_EXTENSIONS = {"num_speculative_tokens", "speculation_policy", "overlap_drafting", "draft_method", "top_k"}
+EXTENSION_FIELDS = {"num_speculative_tokens", "speculation_policy", "overlap_drafting", "draft_method", "top_k"}
 
 
 def build_request(

@@ -26,6 +26,7 @@ class ModelServiceConfig:
     max_batch_tokens: int = 2048
     prefill_chunk_tokens: int = 512
     max_queue_wait_s: float = 30.0
+    batch_hold_fraction: float = 0.5
     lean_draft: bool = True
     metrics_port: int = 0
     health_port: int = 0
@@ -51,6 +52,7 @@ _HELP: dict[str, str] = {
     "max_batch_tokens": "most tokens fed in one engine iteration, over all rows",
     "prefill_chunk_tokens": "a longer prompt is prefilled in chunks of this many tokens, so decoding keeps moving",
     "max_queue_wait_s": "a step not started within this many seconds is refused as busy (RESOURCE_EXHAUSTED)",
+    "batch_hold_fraction": "wait at most this fraction of a forward for sessions expected back before one (0: never)",
     "lean_draft": "draft service: run Llama-family drafts with the lean forward pass (checked at start-up)",
     "metrics_port": "Prometheus metrics port (0 disables)",
     "health_port": "a plaintext port serving gRPC health checks only, for probes that cannot speak TLS (0: none)",
@@ -74,6 +76,8 @@ def parse_model_service_config(prog: str, argv: Sequence[str] | None = None) -> 
     for name in positive:
         if getattr(config, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0.0 <= config.batch_hold_fraction <= 1.0:
+        parser.error("--batch-hold-fraction must be in [0, 1]")
     if config.max_batch_tokens < config.prefill_chunk_tokens:
         parser.error("--max-batch-tokens must be at least --prefill-chunk-tokens")
     return config

@@ -97,6 +97,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             max_batch_tokens=config.max_batch_tokens,
             prefill_chunk_tokens=config.prefill_chunk_tokens,
             max_queue_wait_s=config.max_queue_wait_s,
+            batch_hold_fraction=config.batch_hold_fraction,
         )
         widths = (1,) if self.role == "draft" else (1, 3, 5)  # a draft step feeds one token per forward
         self.forward_costs = forward_costs(forward, loaded.vocab_size, config.max_batch_size, widths)
