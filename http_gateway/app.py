@@ -184,21 +184,23 @@ def create_app(upstream: Upstream, api_keys: ApiKeys | None = None) -> FastAPI:
         card["specdec"] = {"draft_model": draft, "max_context": upstream.info.target.max_context}
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
+    async def accepted(request: Request, prompt_field: str) -> tuple[tuple[tuple[str, str], ...], dict[str, Any]]:
+        """The call's metadata (its key checked) and its body (the model and the fields checked)."""
         metadata = metadata_of(request)
         body = await body_of(request)
         check_model(body)
-        check_fields(body, {"prompt", *_COMMON_FIELDS})
+        check_fields(body, {prompt_field, *_COMMON_FIELDS})
+        return metadata, body
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        metadata, body = await accepted(request, "prompt")
         parsed = build_request(body, completion_prompt(body), COMPLETIONS_DEFAULT_MAX_TOKENS, request_id(request))
         return await respond(request, parsed, chat=False, metadata=metadata)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        metadata = metadata_of(request)
-        body = await body_of(request)
-        check_model(body)
-        check_fields(body, {"messages", *_COMMON_FIELDS})
+        metadata, body = await accepted(request, "messages")
         prompt_ids = await asyncio.to_thread(render_chat, upstream.tokenizer, body.get("messages"))
         room = upstream.info.target.max_context - len(prompt_ids)
         if room < 1:
