@@ -70,16 +70,6 @@ class SlotStore:
             self.values[index] = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return self.keys[index], self.values[index]
 
-    def move(self, source: int, destination: int, length: int) -> None:
-        """Copy a slot's first `length` positions to another slot."""
-        for store in (self.keys, self.values):
-            for tensor in store.values():
-                tensor[destination, :, :length] = tensor[source, :, :length]
-
-    @property
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for store in (self.keys, self.values) for t in store.values())
-
 
 class BatchView:
     """One forward's window onto the slot store; passed to a Hugging Face model as its `cache`.

@@ -42,10 +42,6 @@ class CostCurve:
             return cls(())
         return cls((point.batch_tokens, point.seconds) for point in info.forward_costs)
 
-    @property
-    def known(self) -> bool:
-        return bool(self._keys)
-
     def observe(self, tokens: int, seconds: float) -> None:
         if not 0 < tokens <= _MAX_OBSERVED_TOKENS or seconds <= 0:
             return
