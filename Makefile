@@ -47,7 +47,7 @@ bench: setup
 
 # Throughput and latency under 1 to 16 concurrent clients (bench/load.py).
 load-bench: setup
-	$(PY) -m bench --concurrency 1,2,4,8,16 --prompts 8 --max-new-tokens 64
+	$(PY) -m bench --concurrency 1,2,4,8,16 --prompts 32 --max-new-tokens 64
 
 # Many clients with cancellations and bad requests for MINUTES (default 10); a 60-second run is in make test.
 MINUTES ?= 10

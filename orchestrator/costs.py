@@ -74,10 +74,13 @@ class SpeculationGate:
     The cost model prices a round from forward times, but on shared hardware the draft's work also slows
     the target's forwards for other requests, which no per-round price sees (measured on 2 cores: at 8
     streams, K = 2 rounds took twice what the model predicted). So the orchestrator also measures what
-    matters, server-wide: committed tokens per second over one-second epochs, in epochs where load-aware
-    requests may speculate and epochs where they run K = 0, for each load level (running requests, by
-    powers of two). Once both are known at a level it keeps the faster, trying the other one epoch in
-    `explore_every`.
+    matters, server-wide: committed tokens per second per running request, over one-second epochs in
+    which load-aware requests may speculate and epochs in which they run K = 0, for each load level
+    (running requests averaged over the epoch's rounds, by powers of two). Once both are known at a
+    level it keeps the faster, trying the other one epoch in `explore_every`. A pause longer than an
+    epoch (no load-aware round at all) starts a new epoch rather than counting as a slow one. At a load
+    level not yet measured, where speculation already lost at a lower load, it starts at K = 0 and
+    measures speculation only in an exploration epoch.
     """
 
     def __init__(
@@ -88,34 +91,104 @@ class SpeculationGate:
         self._clock = clock
         self.speculate = True  # this epoch's mode
         self._started: float | None = None
+        self._last = 0.0  # when the last round was recorded
         self._tokens = 0
-        # level -> [rate at K = 0, rate speculating] (committed tokens per second), None until measured
+        self._running = 0  # running requests summed over the epoch's rounds, for its load level
+        self._rounds = 0
+        # level -> [rate at K = 0, rate speculating] (committed tokens per second per running request),
+        # None until measured
         self._rates: dict[int, list[float | None]] = {}
-        self._epochs: dict[int, int] = {}
+        self._choices: dict[int, int] = {}  # epochs begun at each level, for exploration
 
     def record(self, tokens: int, running: int) -> None:
         """A round committed `tokens` while `running` requests were generating."""
         now = self._clock()
-        if self._started is None:
-            self._started = now
+        if self._started is None or now - self._last > self.epoch_s:
+            # The first round, or the first after an idle spell: the spell is no measurement of either
+            # mode, and this round's tokens were made before the epoch starts.
+            self._start_epoch(now, running)
+            return
+        self._last = now
         self._tokens += tokens
+        self._running += running
+        self._rounds += 1
         if now - self._started >= self.epoch_s:
-            self._close_epoch(now, running.bit_length())
+            self._close_epoch(now)
+            self._start_epoch(now, running)
 
-    def _close_epoch(self, now: float, level: int) -> None:
-        assert self._started is not None
-        rate = self._tokens / (now - self._started)
-        rates = self._rates.setdefault(level, [None, None])
-        old = rates[self.speculate]
-        rates[self.speculate] = rate if old is None else _DECAY * old + (1 - _DECAY) * rate
-        epochs = self._epochs[level] = self._epochs.get(level, 0) + 1
-        plain, speculating = rates
-        if speculating is None or plain is None:
-            self.speculate = speculating is None  # measure the mode still unknown
+    def _start_epoch(self, now: float, running: int) -> None:
+        """Begin an epoch in the mode chosen for the load level now."""
+        self._started, self._last, self._tokens, self._running, self._rounds = now, now, 0, 0, 0
+        level = running.bit_length()
+        plain, speculating = self._rates.get(level, (None, None))
+        choices = self._choices[level] = self._choices.get(level, 0) + 1
+        explore = choices % self.explore_every == 0
+        if plain is None and speculating is None:
+            self.speculate = not self._lost_below(level)  # measure first what pays below
+        elif plain is None:
+            self.speculate = False  # measure K = 0 here
+        elif speculating is None:
+            # Speculation pays less as load grows: where it lost at a lower load, K = 0 is kept here
+            # too until an exploration epoch measures it.
+            self.speculate = explore or not self._lost_below(level)
         else:
             best = speculating > plain
-            self.speculate = (not best) if epochs % self.explore_every == 0 else best
-        self._started, self._tokens = now, 0
+            self.speculate = (not best) if explore else best
+
+    def _close_epoch(self, now: float) -> None:
+        assert self._started is not None
+        running = self._running / self._rounds
+        # Per running request: an epoch at the tail of a busier spell (2 requests, then 1) must not
+        # make its mode look faster than the same mode at a steady 1.
+        rate = self._tokens / (now - self._started) / max(running, 1.0)
+        rates = self._rates.setdefault(round(running).bit_length(), [None, None])
+        old = rates[self.speculate]
+        rates[self.speculate] = rate if old is None else _DECAY * old + (1 - _DECAY) * rate
+
+    def _lost_below(self, level: int) -> bool:
+        """Whether the nearest lower load level with both modes measured found K = 0 faster."""
+        for lower in range(level - 1, -1, -1):
+            plain, speculating = self._rates.get(lower, (None, None))
+            if plain is not None and speculating is not None:
+                return plain >= speculating
+        return False
+
+
+class HybridChoice:
+    """For the hybrid method: whether a request asks the draft model on rounds where the prompt lookup
+    finds nothing, or runs those rounds on the target alone.
+
+    Where the lookup misses, the text is new, and there the draft agrees less than it does overall
+    (measured on the edit prompts: 0.42 against 0.81), while asking it costs a draft step, catching the
+    draft up on what the lookup rounds committed, and the draft's prefill of the prompt. Whether that
+    pays is measured, like the gate, server-wide and per load level: each finished hybrid request
+    reports its tokens per second and which way it went; new requests take the faster way, and one in
+    `explore_every` the other. Per request rather than per round, because a request that tries the
+    draft once pays its prefill, which a 64-token request cannot earn back in a few rounds.
+    """
+
+    def __init__(self, explore_every: int = 8) -> None:
+        self.explore_every = explore_every
+        # level -> [tokens per second on the target alone, with the draft model], None until measured
+        self._rates: dict[int, list[float | None]] = {}
+        self._requests: dict[int, int] = {}
+
+    def model_on_misses(self, running: int) -> bool:
+        level = running.bit_length()
+        plain, model = self._rates.setdefault(level, [None, None])
+        if model is None or plain is None:
+            return model is None  # measure the way still unknown
+        requests = self._requests[level] = self._requests.get(level, 0) + 1
+        best = model > plain
+        return (not best) if requests % self.explore_every == 0 else best
+
+    def observe(self, running: int, model_on_misses: bool, tokens: int, seconds: float) -> None:
+        """A finished hybrid request that started with `running` requests generating."""
+        if tokens < 1 or seconds <= 0:
+            return
+        rates = self._rates.setdefault(running.bit_length(), [None, None])
+        old, rate = rates[model_on_misses], tokens / seconds
+        rates[model_on_misses] = rate if old is None else _DECAY * old + (1 - _DECAY) * rate
 
 
 class ServiceLoad:
@@ -130,6 +203,7 @@ class ServiceLoad:
         self.draft_overhead_s = 0.0
         self.running = 0  # requests generating now (kept by the orchestrator's admission)
         self.gate = SpeculationGate()
+        self.hybrid = HybridChoice()
 
     def record_round(self, tokens: int) -> None:
         """A round of a load-aware request committed `tokens`."""

@@ -134,6 +134,12 @@ class Generation:
         if request.draft_method != MODEL and lookup_policy is not None:
             self.lookup = NgramIndex(request.ngram_min, request.ngram_max)
             self.lookup.extend(self.sequence)
+        # hybrid: whether rounds the lookup cannot propose for ask the draft model (costs.HybridChoice)
+        self.hybrid_level = 0  # requests running when this one started
+        self.model_on_misses = True
+        if self.lookup is not None and request.draft_method != NGRAM and load is not None:
+            self.hybrid_level = load.running
+            self.model_on_misses = load.hybrid.model_on_misses(load.running)
         self.generator = seeded_generator(request.seed)
         self.drafting_refused = False  # the draft refused this request's steps: no more drafting for it
         self.sampling_proto = request.sampling.to_proto()  # the same for every round
@@ -152,7 +158,7 @@ class Generation:
             if draft.token_ids:
                 ready = None  # a block the model drafted ahead no longer follows the sequence
             else:
-                k = self._round_k(produced)
+                k = self._round_k(produced) if self.model_on_misses else 0
                 if ready is not None and k:
                     draft = ready.first(k)
                     self.stats.overlapped_rounds += 1
@@ -189,7 +195,16 @@ class Generation:
             self.stats.output_tokens = produced
             self.stats.total_seconds = time.perf_counter() - started
             self._check_finished(tokens, produced)
+            if self.finish_reason != orchestrator_pb2.FINISH_REASON_UNSPECIFIED:
+                self._report_hybrid()
             yield tokens
+
+    def _report_hybrid(self) -> None:
+        """A finished hybrid request tells the server which way it went on misses, and how fast."""
+        if self.lookup is not None and self.request.draft_method != NGRAM and self.load is not None:
+            self.load.hybrid.observe(
+                self.hybrid_level, self.model_on_misses, self.stats.output_tokens, self.stats.total_seconds
+            )
 
     def _lookup(self, produced: int) -> Draft:
         """This round's prompt-lookup block, or NO_DRAFT (no lookup, no match, or K = 0 pays best)."""

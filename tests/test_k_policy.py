@@ -125,13 +125,44 @@ def test_the_gate_measures_whether_speculating_pays_at_each_load():
         gate.record(0, running)  # closes the epoch
         return mode
 
-    modes = [epoch(8) for _ in range(12)]
+    modes = [epoch(8) for _ in range(13)]
     assert modes[:2] == [True, False]  # both measured first
-    assert modes[2:].count(True) <= 3 and modes[-1] is False  # then K = 0, speculation tried now and then
+    assert modes[2:].count(True) == 3 and modes[-1] is False  # then K = 0, speculation tried 1 epoch in 4
+    # At a higher load not yet measured, K = 0 is kept from the start; speculation waits for exploration.
+    assert [epoch(16) for _ in range(4)] == [False, False, False, False]
+    assert epoch(16) is True  # the exploration epoch
     # At another load level the measurements are its own: there speculation pays, and stays on.
     rate.update({True: 120, False: 80})
     levels = [epoch(1) for _ in range(8)]
     assert levels[-3:] == [True, True, True]
+    # After a pause, the first rounds of a new spell run in the mode their own load level chose, not
+    # the one the last spell ended in.
+    now[0] += 60.0
+    gate.record(5, 8)
+    assert gate.speculate is False
+    now[0] += 60.0
+    gate.record(5, 1)
+    assert gate.speculate is True
+
+
+def test_an_idle_spell_is_no_epoch_of_the_gate():
+    from orchestrator.costs import SpeculationGate
+
+    now = [0.0]
+    gate = SpeculationGate(epoch_s=1.0, explore_every=100, clock=lambda: now[0])
+
+    def busy(rounds: int, tokens: int) -> None:
+        for _ in range(rounds):
+            gate.record(tokens, 8)
+            now[0] = round(now[0] + 0.1, 6)
+
+    busy(11, 10)  # a first epoch, speculating: 100 tokens/s
+    assert gate.speculate is False  # now K = 0 is measured
+    busy(5, 12)  # half an epoch at 120 tokens/s, then the clients pause for a minute
+    now[0] += 60.0
+    busy(11, 12)
+    # The spell did not count as an epoch of a few tokens per second at K = 0: K = 0 measured faster.
+    assert gate.speculate is False
 
 
 def test_load_aware_stays_at_zero_while_the_gate_is_closed():
@@ -140,3 +171,40 @@ def test_load_aware_stays_at_zero_while_the_gate_is_closed():
     assert policy.next_k() > 0
     load.gate.speculate = False
     assert policy.next_k() == 0
+
+
+def test_the_hybrid_asks_the_draft_on_lookup_misses_only_where_that_pays():
+    from orchestrator.costs import HybridChoice
+
+    choice = HybridChoice(explore_every=4)
+    rate = {True: 150.0, False: 200.0}  # at one running request, the target alone on misses is faster
+
+    def request(running: int) -> bool:
+        model = choice.model_on_misses(running)
+        choice.observe(running, model, 64, 64 / rate[model])
+        return model
+
+    ways = [request(1) for _ in range(12)]
+    assert ways[:2] == [True, False]  # both ways measured first
+    assert ways[2:].count(True) == 2 and ways[-1] is False  # then the target alone, the draft tried now and then
+    # Another load level measures for itself: there the draft pays, and is asked.
+    rate.update({True: 300.0, False: 200.0})
+    assert [request(8) for _ in range(5)][2:] == [True, True, True]
+    assert choice.model_on_misses(1) is False  # what level 1 learned stands
+
+
+def test_the_gate_compares_rates_per_running_request():
+    from orchestrator.costs import SpeculationGate
+
+    now = [0.0]
+    gate = SpeculationGate(epoch_s=1.0, explore_every=100, clock=lambda: now[0])
+    for _ in range(11):  # speculating, one request: 120 tokens/s
+        gate.record(12, 1)
+        now[0] = round(now[0] + 0.1, 6)
+    assert gate.speculate is False
+    # K = 0 at the tail of a busier spell: 2 requests, then 1 (1.4 on average); 140 tokens/s in all is
+    # 100 per request, slower than speculating.
+    for running in [2, 2, 2, 2, 1, 1, 1, 1, 1, 1]:
+        gate.record(14, running)
+        now[0] = round(now[0] + 0.1, 6)
+    assert gate.speculate is True
