@@ -77,17 +77,25 @@ class SpeculationGate:
     matters, server-wide: committed tokens per second per running request, over one-second epochs in
     which load-aware requests may speculate and epochs in which they run K = 0, for each load level
     (running requests averaged over the epoch's rounds, by powers of two). Once both are known at a
-    level it keeps the faster, trying the other one epoch in `explore_every`. A pause longer than an
-    epoch (no load-aware round at all) starts a new epoch rather than counting as a slow one. At a load
-    level not yet measured, where speculation already lost at a lower load, it starts at K = 0 and
-    measures speculation only in an exploration epoch.
+    level it keeps the faster (speculation only when faster by `margin`), trying the other one epoch in
+    `explore_every`. A pause longer than an epoch (no load-aware round at all) starts a new epoch rather
+    than counting as a slow one. At a load level not yet measured, where speculation already lost at a
+    lower load, it starts at K = 0 and measures speculation only in an exploration epoch.
     """
 
     def __init__(
-        self, epoch_s: float = 1.0, explore_every: int = 8, clock: Callable[[], float] = time.monotonic
+        self,
+        epoch_s: float = 1.0,
+        explore_every: int = 8,
+        margin: float = 1.1,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.epoch_s = epoch_s
         self.explore_every = explore_every
+        # Speculation must measure this much faster to be kept: epochs are noisy (one that holds the
+        # start of a burst of prefills looks slow), and a wrong K = 0 is never slower than the target
+        # alone, which a wrong K > 0 can be.
+        self.margin = margin
         self._clock = clock
         self.speculate = True  # this epoch's mode
         self._started: float | None = None
@@ -132,7 +140,7 @@ class SpeculationGate:
             # too until an exploration epoch measures it.
             self.speculate = explore or not self._lost_below(level)
         else:
-            best = speculating > plain
+            best = self._pays(plain, speculating)
             self.speculate = (not best) if explore else best
 
     def _close_epoch(self, now: float) -> None:
@@ -150,8 +158,11 @@ class SpeculationGate:
         for lower in range(level - 1, -1, -1):
             plain, speculating = self._rates.get(lower, (None, None))
             if plain is not None and speculating is not None:
-                return plain >= speculating
+                return not self._pays(plain, speculating)
         return False
+
+    def _pays(self, plain: float, speculating: float) -> bool:
+        return speculating > self.margin * plain
 
 
 class HybridChoice:
@@ -203,6 +214,8 @@ class ServiceLoad:
         self.draft_overhead_s = 0.0
         self.running = 0  # requests generating now (kept by the orchestrator's admission)
         self.gate = SpeculationGate()
+        # measured round wall time / predicted, for rounds without a draft step and with one
+        self._wall_ratio = [1.0, 1.0]
         self.hybrid = HybridChoice()
 
     def record_round(self, tokens: int) -> None:
@@ -229,11 +242,26 @@ class ServiceLoad:
         overhead = max(0.0, wall_seconds - timing.forward_seconds)
         self.draft_overhead_s = _DECAY * self.draft_overhead_s + (1 - _DECAY) * overhead
 
-    def round_seconds(self, k: int, drafting: bool = True) -> float:
-        """Expected wall time of one synchronous round at K = k, if every session proposes k tokens;
-        without `drafting`, the proposal costs nothing (a prompt lookup)."""
+    def predicted_seconds(self, k: int, drafting: bool = True) -> float:
+        """One synchronous round at K = k from the services' forward costs and step overheads, if every
+        session proposes k tokens; without `drafting`, the proposal costs nothing (a prompt lookup)."""
         batch = max(1.0, self.batch_size)
         verify = self.target.seconds(batch * (k + 1)) + self.target_overhead_s
         if k == 0 or not drafting:
             return verify
         return k * self.draft.seconds(batch) + self.draft_overhead_s + verify
+
+    def round_seconds(self, k: int, drafting: bool = True) -> float:
+        """Expected wall time of one round at K = k: the prediction, scaled by what rounds of its kind
+        (with a draft step or without) measured against their own predictions. The forward costs miss
+        what the services' forwards cost each other on shared cores, and the orchestrator's own work."""
+        return self.predicted_seconds(k, drafting) * self._wall_ratio[k > 0 and drafting]
+
+    def observe_round(self, k: int, drafting: bool, seconds: float) -> None:
+        """A load-aware round at K = k took `seconds` of wall time, proposal to verdict."""
+        predicted = self.predicted_seconds(k, drafting)
+        if predicted <= 0 or seconds <= 0:
+            return
+        kind = k > 0 and drafting
+        ratio = min(max(seconds / predicted, 0.25), 8.0)  # one stalled round must not swing it
+        self._wall_ratio[kind] = _DECAY * self._wall_ratio[kind] + (1 - _DECAY) * ratio

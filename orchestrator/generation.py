@@ -154,6 +154,7 @@ class Generation:
         produced = 0
         ready: Draft | None = None  # a block drafted during the previous verification, still valid
         while self.finish_reason == orchestrator_pb2.FINISH_REASON_UNSPECIFIED:
+            round_started = time.perf_counter()
             draft = self._lookup(produced)
             if draft.token_ids:
                 ready = None  # a block the model drafted ahead no longer follows the sequence
@@ -181,11 +182,13 @@ class Generation:
             else:
                 verdict, target_seconds = await self._verify(draft)
                 speculative = NO_DRAFT
+            policy = self.policy
             if draft.proposer == NGRAM:
                 assert self.lookup_policy is not None
-                self.lookup_policy.observe(verdict, 0.0, target_seconds)
-            else:
-                self.policy.observe(verdict, draft.forward_seconds, target_seconds)
+                policy = self.lookup_policy
+            policy.observe(verdict, draft.forward_seconds, target_seconds)
+            if produced:  # the first round is the prompt's prefill
+                policy.observe_wall(len(draft.token_ids), time.perf_counter() - round_started)
             self.stats.record_round(verdict, draft.proposer)
             tokens = self._commit(verdict)
             ready = self._still_valid(speculative, verdict, tokens)

@@ -7,7 +7,8 @@
   E(K) = (1 - a^(K+1)) / (1 - a) tokens for K*c + 1 target-forwards (docs/design.md, Leviathan et al.).
 - load_aware: the K in [0, cap] that maximises E(K) / round_seconds(K), where round_seconds prices a
   round under the services' current load (orchestrator/costs.py): K draft forwards at batch B plus a
-  target forward over B (K + 1) tokens plus each step's overhead. K = 0 (the target alone) wins when
+  target forward over B (K + 1) tokens plus each step's overhead, scaled by what rounds with and without
+  a draft step measured against that prediction. K = 0 (the target alone) wins when
   speculation does not pay; while there, a probe round every few rounds keeps the acceptance estimate
   alive, so speculation comes back when load falls. Above the per-round price, a server-wide gate
   (costs.SpeculationGate) measures whether speculating epochs really commit more tokens per second
@@ -34,6 +35,9 @@ class KPolicy(abc.ABC):
 
     def observe(self, verdict: Verdict, draft_seconds: float = 0.0, target_seconds: float = 0.0) -> None:  # noqa: B027
         """Learn from a finished round (its verdict and the services' forward times); a no-op by default."""
+
+    def observe_wall(self, k: int, seconds: float) -> None:  # noqa: B027
+        """A round at K = k took `seconds` of wall time, proposal to verdict; a no-op by default."""
 
 
 class FixedK(KPolicy):
@@ -148,6 +152,9 @@ class LoadAwareK(KPolicy):
         # Speculate only for a clear predicted gain: the estimates are noisy, and a wrong K > 0 makes
         # the request slower than the target alone, which a wrong K = 0 never does.
         return best if goodput[best] > self.margin * goodput[0] else 0
+
+    def observe_wall(self, k: int, seconds: float) -> None:
+        self.load.observe_round(k, self.drafts_cost, seconds)
 
     def observe(self, verdict: Verdict, draft_seconds: float = 0.0, target_seconds: float = 0.0) -> None:
         # Only load-aware requests feed the gate: its modes are theirs.

@@ -102,6 +102,22 @@ def test_load_aware_falls_to_zero_when_verifying_costs_grow_with_the_batch_and_c
     assert policy.next_k() > 0
 
 
+def test_load_aware_prices_rounds_by_what_they_measured():
+    # Forward costs alone predict that K = 4 pays: a draft 10x cheaper than a cheap verify.
+    load = _load([(1, 0.010), (5, 0.012)], [(1, 0.001)], batch_size=1)
+    policy = LoadAwareK(4, 4, load)
+    for _ in range(10):
+        policy.observe(_verdict(2, 4))  # acceptance about 0.67
+    assert policy.next_k() > 0
+    # But on shared cores every round with a draft step takes 3x its prediction, and rounds without one
+    # take what they are predicted to take: then the target alone commits more per second.
+    for _ in range(40):
+        policy.observe_wall(3, 3 * load.predicted_seconds(3))
+        policy.observe_wall(0, load.predicted_seconds(0))
+    assert policy.next_k() == 0
+    assert abs(load.round_seconds(0) - load.predicted_seconds(0)) < 1e-9
+
+
 def test_an_explicit_k_bounds_load_aware():
     load = _load([(1, 0.020), (256, 0.021)], [(1, 0.0001)], batch_size=1)
     policy = LoadAwareK(2, 2, load)
@@ -208,3 +224,18 @@ def test_the_gate_compares_rates_per_running_request():
         gate.record(14, running)
         now[0] = round(now[0] + 0.1, 6)
     assert gate.speculate is True
+
+
+def test_the_gate_keeps_speculation_only_for_a_clear_gain():
+    from orchestrator.costs import SpeculationGate
+
+    def decides(plain_tokens: int) -> bool:
+        now = [0.0]
+        gate = SpeculationGate(epoch_s=1.0, explore_every=100, clock=lambda: now[0])
+        for tokens in [20] * 11 + [plain_tokens] * 10:  # speculating at 200 tokens/s, then K = 0
+            gate.record(tokens, 1)
+            now[0] = round(now[0] + 0.1, 6)
+        return gate.speculate
+
+    assert decides(17) is True  # 18% faster than K = 0
+    assert decides(19) is False  # 5% faster is within the noise: K = 0 is the safe choice
