@@ -214,8 +214,8 @@ class ServiceLoad:
         self.draft_overhead_s = 0.0
         self.running = 0  # requests generating now (kept by the orchestrator's admission)
         self.gate = SpeculationGate()
-        # measured round wall time / predicted, for rounds without a draft step and with one
-        self._wall_ratio = [1.0, 1.0]
+        # load level -> measured round wall time / predicted, for rounds without a draft step and with one
+        self._wall_ratio: dict[int, list[float]] = {}
         self.hybrid = HybridChoice()
 
     def record_round(self, tokens: int) -> None:
@@ -253,15 +253,21 @@ class ServiceLoad:
 
     def round_seconds(self, k: int, drafting: bool = True) -> float:
         """Expected wall time of one round at K = k: the prediction, scaled by what rounds of its kind
-        (with a draft step or without) measured against their own predictions. The forward costs miss
-        what the services' forwards cost each other on shared cores, and the orchestrator's own work."""
-        return self.predicted_seconds(k, drafting) * self._wall_ratio[k > 0 and drafting]
+        (with a draft step or without) measured against their own predictions at this load level. The
+        forward costs miss what the services' forwards cost each other on shared cores, and the
+        orchestrator's own work."""
+        ratios = self._wall_ratio.get(self.running.bit_length(), (1.0, 1.0))
+        return self.predicted_seconds(k, drafting) * ratios[k > 0 and drafting]
 
-    def observe_round(self, k: int, drafting: bool, seconds: float) -> None:
-        """A load-aware round at K = k took `seconds` of wall time, proposal to verdict."""
+    def observe_round(self, k: int, drafting: bool, seconds: float, draft_fed: int = 0) -> None:
+        """A load-aware round at K = k took `seconds` of wall time, proposal to verdict; its draft step
+        fed `draft_fed` tokens. A draft step that caught up (or prefilled) is no measure of a round:
+        counting it would price drafting too high, and since every return from K = 0 starts with a
+        catch-up, keep K at 0."""
         predicted = self.predicted_seconds(k, drafting)
-        if predicted <= 0 or seconds <= 0:
+        if predicted <= 0 or seconds <= 0 or draft_fed > _MAX_DRAFT_CATCH_UP:
             return
         kind = k > 0 and drafting
+        ratios = self._wall_ratio.setdefault(self.running.bit_length(), [1.0, 1.0])
         ratio = min(max(seconds / predicted, 0.25), 8.0)  # one stalled round must not swing it
-        self._wall_ratio[kind] = _DECAY * self._wall_ratio[kind] + (1 - _DECAY) * ratio
+        ratios[kind] = _DECAY * ratios[kind] + (1 - _DECAY) * ratio

@@ -188,7 +188,8 @@ class Generation:
                 policy = self.lookup_policy
             policy.observe(verdict, draft.forward_seconds, target_seconds)
             if produced:  # the first round is the prompt's prefill
-                policy.observe_wall(len(draft.token_ids), time.perf_counter() - round_started)
+                fed = self.draft.last_fed if self.draft is not None and draft.forward_seconds > 0 else 0
+                policy.observe_wall(len(draft.token_ids), time.perf_counter() - round_started, fed)
             self.stats.record_round(verdict, draft.proposer)
             tokens = self._commit(verdict)
             ready = self._still_valid(speculative, verdict, tokens)

@@ -36,8 +36,9 @@ class KPolicy(abc.ABC):
     def observe(self, verdict: Verdict, draft_seconds: float = 0.0, target_seconds: float = 0.0) -> None:  # noqa: B027
         """Learn from a finished round (its verdict and the services' forward times); a no-op by default."""
 
-    def observe_wall(self, k: int, seconds: float) -> None:  # noqa: B027
-        """A round at K = k took `seconds` of wall time, proposal to verdict; a no-op by default."""
+    def observe_wall(self, k: int, seconds: float, draft_fed: int = 0) -> None:  # noqa: B027
+        """A round at K = k took `seconds` of wall time, proposal to verdict, and its draft step fed
+        `draft_fed` tokens; a no-op by default."""
 
 
 class FixedK(KPolicy):
@@ -153,8 +154,8 @@ class LoadAwareK(KPolicy):
         # the request slower than the target alone, which a wrong K = 0 never does.
         return best if goodput[best] > self.margin * goodput[0] else 0
 
-    def observe_wall(self, k: int, seconds: float) -> None:
-        self.load.observe_round(k, self.drafts_cost, seconds)
+    def observe_wall(self, k: int, seconds: float, draft_fed: int = 0) -> None:
+        self.load.observe_round(k, self.drafts_cost, seconds, draft_fed)
 
     def observe(self, verdict: Verdict, draft_seconds: float = 0.0, target_seconds: float = 0.0) -> None:
         # Only load-aware requests feed the gate: its modes are theirs.

@@ -109,6 +109,8 @@ def test_load_aware_prices_rounds_by_what_they_measured():
     for _ in range(10):
         policy.observe(_verdict(2, 4))  # acceptance about 0.67
     assert policy.next_k() > 0
+    policy.observe_wall(3, 8 * load.predicted_seconds(3), draft_fed=20)  # a catch-up: no measure of a round
+    assert load.round_seconds(3) == load.predicted_seconds(3)
     # But on shared cores every round with a draft step takes 3x its prediction, and rounds without one
     # take what they are predicted to take: then the target alone commits more per second.
     for _ in range(40):
