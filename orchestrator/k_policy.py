@@ -140,8 +140,8 @@ class LoadAwareK(KPolicy):
         return self._accepted / self._trials
 
     def next_k(self) -> int:
-        if self.max_k == 0 or not self.load.gate.speculate:
-            return 0
+        if self.max_k == 0 or (self.drafts_cost and not self.load.gate.speculate):
+            return 0  # the gate measures what the draft model's forwards cost everyone; lookups have none
         if self._rounds_without_draft >= self.probe_every:
             return 1  # a probe: one cheap draft token refreshes the acceptance estimate
         rate = min(self.acceptance_rate, 0.99)
@@ -158,8 +158,9 @@ class LoadAwareK(KPolicy):
         self.load.observe_round(k, self.drafts_cost, seconds, draft_fed)
 
     def observe(self, verdict: Verdict, draft_seconds: float = 0.0, target_seconds: float = 0.0) -> None:
-        # Only load-aware requests feed the gate: its modes are theirs.
-        self.load.record_round(len(verdict.output_token_ids))
+        # Only load-aware rounds that may ask the draft model feed the gate: its modes are theirs.
+        if self.drafts_cost:
+            self.load.record_round(len(verdict.output_token_ids))
         if verdict.num_drafted == 0:
             self._rounds_without_draft += 1
             return

@@ -241,3 +241,10 @@ def test_the_gate_keeps_speculation_only_for_a_clear_gain():
 
     assert decides(17) is True  # 18% faster than K = 0
     assert decides(19) is False  # 5% faster is within the noise: K = 0 is the safe choice
+
+
+def test_the_gate_holds_model_drafts_but_not_lookups():
+    load = _load([(1, 0.020), (256, 0.021)], [(1, 0.0001)], batch_size=1)
+    model, lookup = LoadAwareK(4, 4, load), LoadAwareK(4, 4, load, drafts_cost=False)
+    load.gate.speculate = False  # the draft model's forwards measured a loss at this load
+    assert model.next_k() == 0 and lookup.next_k() > 0
