@@ -119,9 +119,9 @@ class LoadAwareK(KPolicy):
         load: ServiceLoad,
         prior_acceptance: float = 0.8,
         prior_weight: float = 2.0,
-        decay: float = 0.9,
+        decay: float = 0.97,
         probe_every: int = 8,
-        margin: float = 1.1,
+        margin: float = 1.0,
         drafts_cost: bool = True,
     ) -> None:
         super().__init__(initial_k, max_k)
