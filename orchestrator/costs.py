@@ -21,7 +21,7 @@ _MAX_OBSERVED_TOKENS = 256
 # A draft step whose feed is longer is catching up after rounds without it: its first forward is a
 # small prefill, and counting it as a drafting forward would price drafting too high (and, since
 # every return from K = 0 starts with a catch-up, keep K at 0).
-_MAX_DRAFT_CATCH_UP = 4
+MAX_DRAFT_CATCH_UP = 4
 
 
 class CostCurve:
@@ -173,7 +173,8 @@ class HybridChoice:
     (measured on the edit prompts: 0.42 against 0.81), while asking it costs a draft step, catching the
     draft up on what the lookup rounds committed, and the draft's prefill of the prompt. Whether that
     pays is measured, like the gate, server-wide and per load level: each finished hybrid request
-    reports its tokens per second and which way it went; new requests take the faster way, and one in
+    reports its tokens per second after its first token (the prompt's prefill is the same either way)
+    and which way it went; new requests take the faster way, and one in
     `explore_every` the other. Per request rather than per round, because a request that tries the
     draft once pays its prefill, which a 64-token request cannot earn back in a few rounds.
     """
@@ -194,7 +195,8 @@ class HybridChoice:
         return (not best) if requests % self.explore_every == 0 else best
 
     def observe(self, running: int, model_on_misses: bool, tokens: int, seconds: float) -> None:
-        """A finished hybrid request that started with `running` requests generating."""
+        """A finished hybrid request that started with `running` requests generating: `tokens` after
+        its first, in `seconds` after its first."""
         if tokens < 1 or seconds <= 0:
             return
         rates = self._rates.setdefault(running.bit_length(), [None, None])
@@ -214,8 +216,6 @@ class ServiceLoad:
         self.draft_overhead_s = 0.0
         self.running = 0  # requests generating now (kept by the orchestrator's admission)
         self.gate = SpeculationGate()
-        # load level -> measured round wall time / predicted, for rounds without a draft step and with one
-        self._wall_ratio: dict[int, list[float]] = {}
         self.hybrid = HybridChoice()
 
     def record_round(self, tokens: int) -> None:
@@ -236,13 +236,13 @@ class ServiceLoad:
 
     def observe_draft(self, timing: common_pb2.Timing, forwards: int, fed: int, wall_seconds: float) -> None:
         """A draft step that fed `fed` tokens and ran `forwards` forward passes (one per drafted token)."""
-        if forwards < 1 or timing.batch_size == 0 or fed > _MAX_DRAFT_CATCH_UP:
+        if forwards < 1 or timing.batch_size == 0 or fed > MAX_DRAFT_CATCH_UP:
             return
         self.draft.observe(timing.batch_size, timing.forward_seconds / forwards)
         overhead = max(0.0, wall_seconds - timing.forward_seconds)
         self.draft_overhead_s = _DECAY * self.draft_overhead_s + (1 - _DECAY) * overhead
 
-    def predicted_seconds(self, k: int, drafting: bool = True) -> float:
+    def round_seconds(self, k: int, drafting: bool = True) -> float:
         """One synchronous round at K = k from the services' forward costs and step overheads, if every
         session proposes k tokens; without `drafting`, the proposal costs nothing (a prompt lookup)."""
         batch = max(1.0, self.batch_size)
@@ -250,24 +250,3 @@ class ServiceLoad:
         if k == 0 or not drafting:
             return verify
         return k * self.draft.seconds(batch) + self.draft_overhead_s + verify
-
-    def round_seconds(self, k: int, drafting: bool = True) -> float:
-        """Expected wall time of one round at K = k: the prediction, scaled by what rounds of its kind
-        (with a draft step or without) measured against their own predictions at this load level. The
-        forward costs miss what the services' forwards cost each other on shared cores, and the
-        orchestrator's own work."""
-        ratios = self._wall_ratio.get(self.running.bit_length(), (1.0, 1.0))
-        return self.predicted_seconds(k, drafting) * ratios[k > 0 and drafting]
-
-    def observe_round(self, k: int, drafting: bool, seconds: float, draft_fed: int = 0) -> None:
-        """A load-aware round at K = k took `seconds` of wall time, proposal to verdict; its draft step
-        fed `draft_fed` tokens. A draft step that caught up (or prefilled) is no measure of a round:
-        counting it would price drafting too high, and since every return from K = 0 starts with a
-        catch-up, keep K at 0."""
-        predicted = self.predicted_seconds(k, drafting)
-        if predicted <= 0 or seconds <= 0 or draft_fed > _MAX_DRAFT_CATCH_UP:
-            return
-        kind = k > 0 and drafting
-        ratios = self._wall_ratio.setdefault(self.running.bit_length(), [1.0, 1.0])
-        ratio = min(max(seconds / predicted, 0.25), 8.0)  # one stalled round must not swing it
-        ratios[kind] = _DECAY * ratios[kind] + (1 - _DECAY) * ratio

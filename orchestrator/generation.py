@@ -18,7 +18,7 @@ import grpc
 import structlog
 import torch
 
-from orchestrator.costs import ServiceLoad
+from orchestrator.costs import HybridChoice, ServiceLoad
 from orchestrator.k_policy import KPolicy
 from orchestrator.metrics import CHOSEN_K
 from orchestrator.ngram import NgramIndex
@@ -134,12 +134,13 @@ class Generation:
         if request.draft_method != MODEL and lookup_policy is not None:
             self.lookup = NgramIndex(request.ngram_min, request.ngram_max)
             self.lookup.extend(self.sequence)
-        # hybrid: whether rounds the lookup cannot propose for ask the draft model (costs.HybridChoice)
-        self.hybrid_level = 0  # requests running when this one started
-        self.model_on_misses = True
+        # hybrid: whether rounds the lookup cannot propose for ask the draft model (costs.HybridChoice),
+        # decided with `running` requests generating
+        self.hybrid: HybridChoice | None = None
         if self.lookup is not None and request.draft_method != NGRAM and load is not None:
-            self.hybrid_level = load.running
-            self.model_on_misses = load.hybrid.model_on_misses(load.running)
+            self.hybrid = load.hybrid
+        self.running_at_start = load.running if load is not None else 0
+        self.model_on_misses = self.hybrid is None or self.hybrid.model_on_misses(self.running_at_start)
         self.generator = seeded_generator(request.seed)
         self.drafting_refused = False  # the draft refused this request's steps: no more drafting for it
         self.sampling_proto = request.sampling.to_proto()  # the same for every round
@@ -199,16 +200,12 @@ class Generation:
             self.stats.output_tokens = produced
             self.stats.total_seconds = time.perf_counter() - started
             self._check_finished(tokens, produced)
-            if self.finish_reason != orchestrator_pb2.FINISH_REASON_UNSPECIFIED:
-                self._report_hybrid()
+            if self.hybrid is not None and self.finish_reason != orchestrator_pb2.FINISH_REASON_UNSPECIFIED:
+                # Tokens after the first, over the time after it: the prompt's prefill is the same
+                # either way, and a long prompt must not make its way look slow.
+                decode_seconds = self.stats.total_seconds - self.stats.time_to_first_token_seconds
+                self.hybrid.observe(self.running_at_start, self.model_on_misses, produced - 1, decode_seconds)
             yield tokens
-
-    def _report_hybrid(self) -> None:
-        """A finished hybrid request tells the server which way it went on misses, and how fast."""
-        if self.lookup is not None and self.request.draft_method != NGRAM and self.load is not None:
-            self.load.hybrid.observe(
-                self.hybrid_level, self.model_on_misses, self.stats.output_tokens, self.stats.total_seconds
-            )
 
     def _lookup(self, produced: int) -> Draft:
         """This round's prompt-lookup block, or NO_DRAFT (no lookup, no match, or K = 0 pays best)."""

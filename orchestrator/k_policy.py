@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import abc
 
-from orchestrator.costs import ServiceLoad
+from orchestrator.costs import MAX_DRAFT_CATCH_UP, ServiceLoad
 from orchestrator.rejection import Verdict
+
+_RATIO_DECAY = 0.9  # weight of the past in the measured / priced round time
 
 
 class KPolicy(abc.ABC):
@@ -134,6 +136,7 @@ class LoadAwareK(KPolicy):
         self._accepted = prior_acceptance * prior_weight
         self._trials = prior_weight
         self._rounds_without_draft = 0
+        self._wall_ratio = [1.0, 1.0]  # measured / priced round time, without a draft step and with one
 
     @property
     def acceptance_rate(self) -> float:
@@ -145,17 +148,28 @@ class LoadAwareK(KPolicy):
         if self._rounds_without_draft >= self.probe_every:
             return 1  # a probe: one cheap draft token refreshes the acceptance estimate
         rate = min(self.acceptance_rate, 0.99)
-        goodput = [
-            expected_tokens(rate, k) / max(self.load.round_seconds(k, self.drafts_cost), 1e-9)
-            for k in range(self.max_k + 1)
-        ]
+        goodput = [expected_tokens(rate, k) / max(self.round_seconds(k), 1e-9) for k in range(self.max_k + 1)]
         best = max(range(1, self.max_k + 1), key=goodput.__getitem__)
         # Speculate only for a clear predicted gain: the estimates are noisy, and a wrong K > 0 makes
         # the request slower than the target alone, which a wrong K = 0 never does.
         return best if goodput[best] > self.margin * goodput[0] else 0
 
+    def round_seconds(self, k: int) -> float:
+        """The services' price of a round at K = k, scaled by what this request's rounds of its kind
+        (with a draft step or without) measured against that price: forward costs miss the
+        orchestrator's work and services slowing each other on shared cores. Per request, so that one
+        request's rounds (dense sampling rows, a slow network path) never price another's."""
+        return self.load.round_seconds(k, self.drafts_cost) * self._wall_ratio[k > 0 and self.drafts_cost]
+
     def observe_wall(self, k: int, seconds: float, draft_fed: int = 0) -> None:
-        self.load.observe_round(k, self.drafts_cost, seconds, draft_fed)
+        """A draft step that caught up (or prefilled) is no measure of a round: counting it would price
+        drafting too high, and since every return from K = 0 starts with a catch-up, keep K at 0."""
+        predicted = self.load.round_seconds(k, self.drafts_cost)
+        if predicted <= 0 or seconds <= 0 or draft_fed > MAX_DRAFT_CATCH_UP:
+            return
+        kind = k > 0 and self.drafts_cost
+        ratio = min(max(seconds / predicted, 0.25), 8.0)  # one stalled round must not swing it
+        self._wall_ratio[kind] = _RATIO_DECAY * self._wall_ratio[kind] + (1 - _RATIO_DECAY) * ratio
 
     def observe(self, verdict: Verdict, draft_seconds: float = 0.0, target_seconds: float = 0.0) -> None:
         # Only load-aware rounds that may ask the draft model feed the gate: its modes are theirs.

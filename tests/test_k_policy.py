@@ -109,15 +109,16 @@ def test_load_aware_prices_rounds_by_what_they_measured():
     for _ in range(10):
         policy.observe(_verdict(2, 4))  # acceptance about 0.67
     assert policy.next_k() > 0
-    policy.observe_wall(3, 8 * load.predicted_seconds(3), draft_fed=20)  # a catch-up: no measure of a round
-    assert load.round_seconds(3) == load.predicted_seconds(3)
+    policy.observe_wall(3, 8 * load.round_seconds(3), draft_fed=20)  # a catch-up: no measure of a round
+    assert policy.round_seconds(3) == load.round_seconds(3)
     # But on shared cores every round with a draft step takes 3x its prediction, and rounds without one
     # take what they are predicted to take: then the target alone commits more per second.
     for _ in range(40):
-        policy.observe_wall(3, 3 * load.predicted_seconds(3))
-        policy.observe_wall(0, load.predicted_seconds(0))
+        policy.observe_wall(3, 3 * load.round_seconds(3))
+        policy.observe_wall(0, load.round_seconds(0))
     assert policy.next_k() == 0
-    assert abs(load.round_seconds(0) - load.predicted_seconds(0)) < 1e-9
+    assert abs(policy.round_seconds(0) - load.round_seconds(0)) < 1e-9
+    assert LoadAwareK(4, 4, load).round_seconds(3) == load.round_seconds(3)  # another request's price is its own
 
 
 def test_an_explicit_k_bounds_load_aware():
