@@ -26,7 +26,7 @@ class ModelServiceConfig:
     max_batch_tokens: int = 2048
     prefill_chunk_tokens: int = 512
     max_queue_wait_s: float = 30.0
-    batch_hold_fraction: float = 1.0
+    batch_hold_fraction: float = 0.5
     lean_draft: bool = True
     metrics_port: int = 0
     health_port: int = 0
@@ -76,8 +76,8 @@ def parse_model_service_config(prog: str, argv: Sequence[str] | None = None) -> 
     for name in positive:
         if getattr(config, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if not 0.0 <= config.batch_hold_fraction <= 4.0:
-        parser.error("--batch-hold-fraction must be in [0, 4]")
+    if not 0.0 <= config.batch_hold_fraction <= 1.0:
+        parser.error("--batch-hold-fraction must be in [0, 1]")
     if config.max_batch_tokens < config.prefill_chunk_tokens:
         parser.error("--max-batch-tokens must be at least --prefill-chunk-tokens")
     return config

@@ -31,8 +31,6 @@ log = structlog.get_logger(__name__)
 # Rows at most this wide share a forward with one another; wider ones (prefill chunks) get their own,
 # so that decoding rows are not padded to a prefill's width.
 _NARROW_ROW_TOKENS = 32
-# A session is waited for until this fraction of (its usual return gap + a forward) after it is due.
-_DUE_SLACK = 0.5
 
 
 @dataclass(frozen=True)
@@ -43,7 +41,7 @@ class EngineLimits:
     max_queue_wait_s: float = 30.0  # a job not started by then fails with RESOURCE_EXHAUSTED ("busy")
     # Before a forward, wait at most this fraction of a typical forward for sessions that stepped
     # recently and are expected back (0: never wait). See Engine._hold.
-    batch_hold_fraction: float = 1.0
+    batch_hold_fraction: float = 0.5
 
 
 @dataclass(eq=False)
@@ -113,8 +111,6 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._forward_seconds = 0.0  # running mean of one forward
         self._last_step: dict[int, float] = {}  # slot -> when its last job finished
-        self._return_gap: dict[int, float] = {}  # slot -> mean seconds from a job's end to its next
-        self._mean_gap: float | None = None  # the same over every session
 
     def start(self) -> None:
         """Run the loop in a thread of its own (in-process servers, tests)."""
@@ -134,12 +130,6 @@ class Engine:
         with self._wake:
             if self._stopped:
                 raise resource_exhausted("the service is shutting down; retry on another replica")
-            finished = self._last_step.get(job.slot)
-            if finished is not None:
-                gap = job.submitted - finished
-                known = self._return_gap.get(job.slot)
-                self._return_gap[job.slot] = gap if known is None else 0.5 * (known + gap)
-                self._mean_gap = gap if self._mean_gap is None else 0.9 * self._mean_gap + 0.1 * gap
             self._inbox.append(job)
             self._wake.notify()
         return job.future
@@ -166,56 +156,34 @@ class Engine:
             for slot in self.slots.recycle():
                 self.forward.release(slot)
                 self._last_step.pop(slot, None)
-                self._return_gap.pop(slot, None)
             with torch.inference_mode():
                 self._iteration()
         for job in [*self._active, *self._inbox]:
             _fail(job, resource_exhausted("the service stopped; retry on another replica"))
 
     def _hold(self) -> None:
-        """Wait briefly (the condition's lock held) for sessions that are due back.
+        """Wait briefly (the condition's lock held) for sessions that are expected back.
 
         Sessions of a speculative round come back together: each one's step returns to the
         orchestrator, which answers with the next step a few milliseconds later. Starting a forward
         with whatever has arrived splits them into groups that then stay out of phase, each group
-        paying for a forward of its own; and two co-located services whose groups overlap share the
-        cores instead of taking turns with all of them. So before a forward the engine waits for the
-        sessions `due` soon, until the last of them is due (plus a little), at most
-        `batch_hold_fraction` of a forward; with nobody due it starts at once."""
-        due = self._due(time.perf_counter())
-        if not due:
+        paying for a forward of its own. So when sessions that finished a step within the last few
+        forwards have not come back yet, the engine waits for them, at most `batch_hold_fraction` of
+        a forward; with nobody expected it starts at once."""
+        if not self.limits.batch_hold_fraction or not self._forward_seconds:
             return
-        deadline = max(due.values())
+        started = time.perf_counter()
+        deadline = started + self.limits.batch_hold_fraction * self._forward_seconds
+        recent = started - 4 * self._forward_seconds
+        expected = {slot for slot, finished in self._last_step.items() if finished > recent}
         while not self._stopped:
             ready = {job.slot for job in self._inbox} | {job.slot for job in self._active}
-            if len(ready) >= self.limits.max_batch_size or due.keys() <= ready:
+            if len(ready) >= self.limits.max_batch_size or expected <= ready:
                 return
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 return
             self._wake.wait(remaining)
-
-    def _due(self, now: float) -> dict[int, float]:
-        """Sessions not ready but expected within the hold's horizon: slot -> until when to wait for it.
-
-        A session is expected back its usual return gap after its last step ended (learned per
-        session; a session's first return uses the mean over sessions). One that is due later than
-        the horizon (drafting while this service verifies) or overdue by more than the slack (gone,
-        or slower than usual) is not waited for."""
-        if not self.limits.batch_hold_fraction or not self._forward_seconds or self._mean_gap is None:
-            return {}
-        horizon = now + self.limits.batch_hold_fraction * self._forward_seconds
-        ready = {job.slot for job in self._inbox} | {job.slot for job in self._active}
-        due: dict[int, float] = {}
-        for slot, finished in self._last_step.items():
-            if slot in ready:
-                continue
-            gap = self._return_gap.get(slot, self._mean_gap)
-            slack = _DUE_SLACK * (gap + self._forward_seconds)
-            back = finished + gap
-            if now - slack <= back <= horizon:
-                due[slot] = min(back + slack, horizon)
-        return due
 
     def _iteration(self) -> None:
         now = time.perf_counter()

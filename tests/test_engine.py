@@ -174,30 +174,3 @@ def test_the_hold_gathers_sessions_that_come_back_together():
         assert len(results) == 4 and [len(b) for b in forward.batches] == [4]
     finally:
         engine.stop()
-
-
-def test_the_hold_waits_only_for_sessions_due_within_a_forward():
-    """Per session, the engine expects it back its usual return gap after its last step: it waits for
-    the ones due soon, not for one drafting while this service verifies, nor for one long overdue."""
-    engine = Engine(FakeForward(), EngineLimits(batch_hold_fraction=1.0), "test")
-    forward_s = engine._forward_seconds = 0.010
-    now = 100.0
-    engine._last_step = {0: now - 0.001, 1: now - 0.001, 2: now - 0.100, 3: now - 0.001, 4: now - 0.001}
-    engine._return_gap = {0: 0.003, 1: 0.030, 2: 0.003, 4: 0.003}
-    engine._mean_gap = 0.004
-    engine._inbox.append(Countdown(slot=4, start=1, pending=[1], num_logits=1))  # already back
-
-    due = engine._due(now)
-
-    assert set(due) == {0, 3}  # 1 is due after the horizon, 2 is overdue, 4 is ready
-    assert due[0] == pytest.approx(now - 0.001 + 0.003 + 0.5 * (0.003 + forward_s))
-    assert due[3] == pytest.approx(now + forward_s)  # the mean gap's slack reaches past the horizon: capped
-    engine._mean_gap = None
-    assert engine._due(now) == {}  # nothing learned yet: no waiting
-
-
-def test_a_session_learns_its_return_gap_when_it_comes_back():
-    engine = Engine(FakeForward(), EngineLimits(), "test")
-    engine._last_step[0] = time.perf_counter() - 0.02
-    engine.submit(Countdown(slot=0, start=1, pending=[1], num_logits=1))
-    assert engine._return_gap[0] == pytest.approx(0.02, abs=0.01) and engine._mean_gap == engine._return_gap[0]
