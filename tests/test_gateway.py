@@ -211,8 +211,9 @@ def test_keys_full_servers_and_stopped_orchestrators_give_401_429_503(target_ser
         with pytest.raises(openai.AuthenticationError):
             gateway.client("wrong").completions.create(model=gateway.model, prompt="w1", max_tokens=2)
         client = gateway.client("gateway-key")
-        assert client.completions.create(model=gateway.model, prompt="w1", max_tokens=2).choices[0].text
-        long = client.completions.create(model=gateway.model, prompt="w1", max_tokens=200, stream=True)
+        # Greedy, so that neither request can end at once on a sampled end-of-sequence token.
+        assert client.completions.create(model=gateway.model, prompt="w1", max_tokens=2, temperature=0).choices[0].text
+        long = client.completions.create(model=gateway.model, prompt="w1", max_tokens=200, temperature=0, stream=True)
         next(iter(long))  # holds the only place
         with pytest.raises(openai.RateLimitError):
             client.completions.create(model=gateway.model, prompt="w2", max_tokens=2)
