@@ -249,3 +249,23 @@ def test_the_gate_holds_model_drafts_but_not_lookups():
     model, lookup = LoadAwareK(4, 4, load), LoadAwareK(4, 4, load, drafts_cost=False)
     load.gate.speculate = False  # the draft model's forwards measured a loss at this load
     assert model.next_k() == 0 and lookup.next_k() > 0
+
+
+def test_a_slow_first_speculating_epoch_does_not_hold_k_at_zero():
+    """The rarely measured mode's rate is a mean of its epochs at first: one cold epoch at 0.9x must
+    not outweigh the exploration that follows at 1.5x (an exponential average kept it under K = 0's
+    for dozens of epochs)."""
+    from orchestrator.costs import SpeculationGate
+
+    now = [0.0]
+    gate = SpeculationGate(epoch_s=1.0, explore_every=4, clock=lambda: now[0])
+    modes: list[bool] = []  # each epoch's mode, as it begins
+    while len(modes) < 8:
+        speculating = gate.speculate
+        cold = speculating and len(modes) <= 1  # the first epoch
+        gate.record(9 if cold else 15 if speculating else 10, 1)  # tokens per 0.1 s
+        if gate._started == now[0]:
+            modes.append(gate.speculate)
+        now[0] = round(now[0] + 0.1, 6)
+    assert modes[:4] == [True, False, False, True]  # cold speculation lost; K = 0; an exploration
+    assert modes[4:7] == [True, True, True]  # (90 + 150) / 2 > 1.1 x 100: speculation is kept
