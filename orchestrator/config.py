@@ -23,7 +23,7 @@ class OrchestratorConfig:
     max_speculative_tokens: int = 16
     num_speculative_tokens: int = 2
     speculation_policy: str = "fixed"
-    overlap_drafting: bool = False
+    overlap_drafting: bool = True
     draft_method: str = "model"
     ngram_min: int = 2
     ngram_max: int = 4

@@ -335,16 +335,18 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             draft = SessionStream(
                 self.draft.pool, lambda stub, metadata: stub.Draft(metadata=metadata), request.request_id, attempts=1
             )
+        # Under load_aware the request's K is the bound on every round's K; the heuristic grows from it.
+        max_k = k if policy == "load_aware" else cfg.max_speculative_tokens
         lookup_policy = None
         if method != MODEL and k > 0:
-            lookup_policy = make_policy(policy, k, cfg.max_speculative_tokens, self.load, drafts_cost=False)
+            lookup_policy = make_policy(policy, k, max_k, self.load, drafts_cost=False)
         return Generation(
             request,
             self._limits(),
             target,
             draft,
             self.availability,
-            make_policy(policy, k, cfg.max_speculative_tokens, self.load),
+            make_policy(policy, k, max_k, self.load),
             cfg.draft_timeout_s,
             cfg.target_timeout_s,
             self.load,

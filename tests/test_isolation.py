@@ -10,9 +10,11 @@ import pytest
 
 from specdec.v1 import orchestrator_pb2
 from tests.conftest import collect, still_speculates
+from tests.servers import OrchestratorThread, orchestrator_config
 
 Request = orchestrator_pb2.GenerateRequest
 FIXED = orchestrator_pb2.SPECULATION_POLICY_FIXED
+LOAD_AWARE = orchestrator_pb2.SPECULATION_POLICY_LOAD_AWARE
 
 
 def _ids(prompt: list[int], **fields) -> Request:
@@ -74,3 +76,25 @@ def test_overlap_at_the_cap_stays_within_the_drafts_limit(orchestrators, policy)
     )
     assert last.stats.draft_fallback_rounds == 0
     _still_speculates(stub)
+
+
+def test_an_explicit_k_bounds_every_load_aware_round(target_server, close_draft_server):
+    """Under load_aware a request's num_speculative_tokens is an upper bound on every round's K. The
+    policy once ranged up to the server's cap (16) whatever the request asked, blocks drafted ahead
+    during verification included."""
+    orchestrator = OrchestratorThread(orchestrator_config(target_server, close_draft_server))  # its own gate
+    try:
+        unbounded, bounded = [], []
+        for _ in range(3):
+            for k, stats in ((16, unbounded), (1, bounded)):
+                request = _ids([5, 6], max_new_tokens=60, num_speculative_tokens=k, speculation_policy=LOAD_AWARE)
+                stats.append(collect(orchestrator.stub, request)[2].stats)
+        # The bound binds: unbounded, the policy drafts blocks longer than one token here.
+        assert any(s.draft_tokens > s.draft_rounds for s in unbounded), [
+            (s.draft_tokens, s.draft_rounds) for s in unbounded
+        ]
+        assert sum(s.draft_rounds for s in bounded) > 0
+        for s in bounded:
+            assert s.draft_tokens <= s.draft_rounds and len(s.accepted_per_position) <= 1, s
+    finally:
+        orchestrator.stop()
