@@ -84,7 +84,8 @@ def test_an_explicit_k_bounds_every_load_aware_round(target_server, close_draft_
     during verification included."""
     orchestrator = OrchestratorThread(orchestrator_config(target_server, close_draft_server))  # its own gate
     try:
-        unbounded, bounded = [], []
+        unbounded: list[orchestrator_pb2.GenerationStats] = []
+        bounded: list[orchestrator_pb2.GenerationStats] = []
         for _ in range(3):
             for k, stats in ((16, unbounded), (1, bounded)):
                 request = _ids([5, 6], max_new_tokens=60, num_speculative_tokens=k, speculation_policy=LOAD_AWARE)
