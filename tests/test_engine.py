@@ -150,13 +150,19 @@ def test_a_step_that_waits_too_long_is_refused_as_busy():
         engine.stop()
 
 
-def test_the_hold_gathers_sessions_that_come_back_together():
-    """Sessions that stepped together come back a little apart; the engine waits for them (bounded)."""
+@pytest.mark.parametrize("straight_back", [True, False], ids=["next-step-at-once", "drafts-first"])
+def test_the_hold_gathers_sessions_that_come_back_together(straight_back):
+    """Sessions that stepped together come back a little apart; the engine waits for them (bounded).
+    Sessions whose step said they draft before coming back (a speculative verify) are not waited for:
+    the draft and the target should compute at once, not take turns."""
     forward = FakeForward(delay_s=0.02)
     engine = Engine(forward, EngineLimits(batch_hold_fraction=0.9), "test")
     engine.start()
     try:
-        futures = [engine.submit(Countdown(slot=s, start=0, pending=[1], num_logits=1)) for s in range(4)]
+        futures = [
+            engine.submit(Countdown(slot=s, start=0, pending=[1], num_logits=1, comes_straight_back=straight_back))
+            for s in range(4)
+        ]
         for future in futures:
             future.result(5)
         forward.batches.clear()
@@ -171,6 +177,10 @@ def test_the_hold_gathers_sessions_that_come_back_together():
             thread.start()
         for thread in threads:
             thread.join()
-        assert len(results) == 4 and [len(b) for b in forward.batches] == [4]
+        assert len(results) == 4
+        if straight_back:
+            assert [len(b) for b in forward.batches] == [4]
+        else:
+            assert len(forward.batches) > 1, forward.batches  # the first one started without waiting
     finally:
         engine.stop()
