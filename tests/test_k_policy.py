@@ -216,7 +216,7 @@ def test_the_gate_compares_rates_per_running_request():
     from orchestrator.costs import SpeculationGate
 
     now = [0.0]
-    gate = SpeculationGate(epoch_s=1.0, explore_every=100, clock=lambda: now[0])
+    gate = SpeculationGate(epoch_s=1.0, explore_every=100, settle_fraction=0.0, clock=lambda: now[0])
     for _ in range(11):  # speculating, one request: 120 tokens/s
         gate.record(12, 1)
         now[0] = round(now[0] + 0.1, 6)
@@ -227,6 +227,25 @@ def test_the_gate_compares_rates_per_running_request():
         gate.record(14, running)
         now[0] = round(now[0] + 0.1, 6)
     assert gate.speculate is True
+
+
+def test_the_gate_does_not_measure_the_switch_between_modes():
+    """The first part of an epoch after a switch measures the switch (the previous mode's rounds
+    finishing, sessions regrouping into one batch), not the new mode."""
+    from orchestrator.costs import SpeculationGate
+
+    def decides(settle_fraction: float) -> bool:
+        now = [0.0]
+        gate = SpeculationGate(epoch_s=1.0, explore_every=100, settle_fraction=settle_fraction, clock=lambda: now[0])
+        # Speculating at 100 tokens/s; then K = 0, which stalls for 0.3 s after the switch and then
+        # runs at 120 tokens/s: 84 tokens in the epoch, 120 per second once settled.
+        for tokens in [10] * 11 + [0, 0, 0] + [12] * 7:
+            gate.record(tokens, 1)
+            now[0] = round(now[0] + 0.1, 6)
+        return gate.speculate
+
+    assert decides(0.0) is True  # the stall counted: K = 0 looked slower than speculating
+    assert decides(0.3) is False  # settled, K = 0 measured 20% faster
 
 
 def test_the_gate_keeps_speculation_only_for_a_clear_gain():
