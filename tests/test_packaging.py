@@ -39,11 +39,12 @@ def test_the_wheel_installs_and_serves_from_outside_the_checkout(tmp_path):
 
     # A fresh environment whose dependencies come from the ones already installed (no network).
     environment = tmp_path / "venv"
-    venv.create(environment, with_pip=True)
+    venv.create(environment, with_pip=False)  # installed into by this pip (`--python`): no ensurepip, seconds saved
     python = environment / "bin" / "python"
     purelib = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp_path, env)
     (Path(purelib.strip()) / "dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    _run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)], tmp_path, env)
+    install = [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q"]
+    _run([*install, str(wheel)], tmp_path, env)
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
