@@ -51,10 +51,9 @@ class TargetServicer(
         SamplingParams.from_proto(request.sampling)
 
     def make_job(self, slot: int, request: target_pb2.VerifyRequest) -> Job:
-        # After a block's verify, the session drafts before it verifies again: not worth holding a batch for.
-        job = VerifyJob(slot, request.keep, list(request.append_token_ids), request.num_rows)
-        job.comes_straight_back = request.num_rows == 1
-        return job
+        # After a block's verify the session drafts before it verifies again: no batch waits for it.
+        ids = list(request.append_token_ids)
+        return VerifyJob(slot, request.keep, ids, request.num_rows, comes_straight_back=request.num_rows == 1)
 
     def respond(self, job: Job, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
         assert isinstance(job, VerifyJob) and job.logits is not None
