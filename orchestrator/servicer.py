@@ -337,16 +337,18 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             )
         # Under load_aware the request's K is the bound on every round's K; the heuristic grows from it.
         max_k = k if policy == "load_aware" else cfg.max_speculative_tokens
+        # load_aware starts from the server's K and moves from it where that clearly pays.
+        initial_k = min(k, cfg.num_speculative_tokens or k) if policy == "load_aware" else k
         lookup_policy = None
         if method != MODEL and k > 0:
-            lookup_policy = make_policy(policy, k, max_k, self.load, drafts_cost=False)
+            lookup_policy = make_policy(policy, initial_k, max_k, self.load, drafts_cost=False)
         return Generation(
             request,
             self._limits(),
             target,
             draft,
             self.availability,
-            make_policy(policy, k, max_k, self.load),
+            make_policy(policy, initial_k, max_k, self.load),
             cfg.draft_timeout_s,
             cfg.target_timeout_s,
             self.load,

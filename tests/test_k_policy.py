@@ -76,6 +76,24 @@ def test_cost_curve_interpolates_and_extrapolates():
     assert 2.5 < curve.seconds(4) < 3.5  # a running average, not a replacement
 
 
+def test_cost_curve_never_prices_a_forward_above_a_larger_one_as_points_change():
+    """The least cost at or above each point is cached between observations; it must follow them."""
+    import random
+
+    from orchestrator.costs import CostCurve
+
+    rng = random.Random(7)
+    curve = CostCurve([(1, 0.010), (16, 0.012)])
+    for _ in range(300):
+        curve.observe(rng.randint(1, 64), rng.uniform(0.005, 0.05))
+        points = dict(curve._seconds)
+        for tokens in (1, 2.5, 7, 16, 33, 64):
+            larger = [seconds for key, seconds in points.items() if key >= tokens]
+            if larger:
+                assert curve.seconds(tokens) <= min(larger) + 1e-12
+        assert curve.seconds(0.5) == min(points.values())
+
+
 def test_load_aware_speculates_when_verifying_is_cheap():
     # A GPU-like target: a forward of 64 tokens costs what one of 1 costs; a draft 10x cheaper.
     load = _load([(1, 0.020), (64, 0.021), (256, 0.030)], [(1, 0.002), (32, 0.0025)], batch_size=8)
@@ -119,6 +137,33 @@ def test_load_aware_prices_rounds_by_what_they_measured():
     assert policy.next_k() == 0
     assert abs(policy.round_seconds(0) - load.round_seconds(0)) < 1e-9
     assert LoadAwareK(4, 4, load).round_seconds(3) == load.round_seconds(3)  # another request's price is its own
+
+
+def test_load_aware_falls_to_zero_only_for_a_clear_predicted_gain():
+    """A round at K = 0 learns nothing of the acceptance, so a small predicted loss keeps speculating."""
+    load = _load([(1, 0.010), (256, 0.010)], [(1, 0.002)], batch_size=1)  # rounds: 10, 12, 14 ms at K = 0, 1, 2
+
+    def k_at(acceptance: float) -> int:
+        policy = LoadAwareK(1, 1, load)
+        policy._accepted, policy._trials = acceptance * 100, 100.0
+        return policy.next_k()
+
+    assert k_at(0.15) == 1  # K = 1 predicted at 0.96x the target alone: within the margin
+    assert k_at(0.0) == 0  # 0.83x: K = 0
+
+
+def test_load_aware_moves_its_k_only_for_a_clear_gain():
+    load = _load([(1, 0.010), (256, 0.010)], [(1, 0.001)], batch_size=1)  # rounds: 10 + 1 ms per drafted token
+    policy = LoadAwareK(2, 8, load)
+
+    def settle(acceptance: float) -> int:
+        policy._accepted, policy._trials = acceptance * 100, 100.0
+        return policy.next_k()
+
+    assert settle(0.6) == 2  # K = 3 is predicted 3% faster than K = 2: not worth a change
+    assert settle(0.95) > 2  # where the draft agrees almost always, long blocks pay far more
+    high = policy.next_k()
+    assert settle(0.75) == high  # and the K it moved to stays while still about as good
 
 
 def test_an_explicit_k_bounds_load_aware():
