@@ -294,7 +294,6 @@ class Generation:
         if k < 1:
             return NO_DRAFT
         try:
-            started = time.perf_counter()
             async with asyncio.timeout(self.draft_timeout_s):
                 response = await draft.step(
                     context,
@@ -319,7 +318,7 @@ class Generation:
             return NO_DRAFT
         self.stats.draft_seconds += response.timing.forward_seconds
         if self.load is not None:
-            self.load.observe_draft(response.timing, len(token_ids), draft.last_fed, time.perf_counter() - started)
+            self.load.observe_draft(response.timing, len(token_ids), draft.last_fed, draft.last_seconds)
         return Draft(token_ids=token_ids, probs=probs, forward_seconds=response.timing.forward_seconds)
 
     async def _verify(self, draft: Draft) -> tuple[Verdict, float]:
@@ -327,7 +326,6 @@ class Generation:
         context = [*self.sequence, *draft.token_ids]
         rows = len(draft.token_ids) + 1
         sampling = self.sampling_proto
-        started = time.perf_counter()
         try:
             async with asyncio.timeout(self.target_timeout_s):
                 response = await self.target.step(
@@ -350,7 +348,7 @@ class Generation:
         target_seconds = response.timing.forward_seconds
         self.stats.target_seconds += target_seconds
         if self.load is not None:
-            self.load.observe_target(response.timing, self.target.last_fed, time.perf_counter() - started)
+            self.load.observe_target(response.timing, self.target.last_fed, self.target.last_seconds)
         draft_ids = torch.tensor(draft.token_ids, dtype=torch.long)  # [k]
         if self.request.sampling.greedy:
             argmax = torch.tensor(list(response.argmax_token_ids), dtype=torch.long)  # [k + 1]

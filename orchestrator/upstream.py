@@ -204,6 +204,10 @@ class SessionStream(Generic[RequestT, ResponseT]):
     backoff_s: float = 0.25
     held: list[int] = field(default_factory=list)  # the tokens the replica's cache holds, in order
     last_fed: int = 0  # tokens the last successful step fed
+    # Wall seconds of the last successful step's own request and response: not the failed attempts,
+    # backoff or reopen before it, which say nothing of the service's load (and a request's lost
+    # stream must not price every other request's rounds).
+    last_seconds: float = 0.0
     reopens: int = 0  # times the session was reopened with the full sequence
     wire_bytes: int = 0
     replica: Replica | None = None
@@ -231,6 +235,7 @@ class SessionStream(Generic[RequestT, ResponseT]):
                 self._open()
             keep = reusable_prefix(self.held, context, min_append)
             request = build(keep)
+            started = time.perf_counter()
             try:
                 await self._call.write(request)
                 response = await self._call.read()
@@ -262,6 +267,7 @@ class SessionStream(Generic[RequestT, ResponseT]):
             fed = [*context, *(fed_beyond(response) if fed_beyond else ())]
             self.held = fed[: response.cached_tokens]  # type: ignore[attr-defined]
             self.last_fed = len(context) - keep
+            self.last_seconds = time.perf_counter() - started
             return response
         raise unavailable(
             f"{self.pool.name} service unavailable after {self.attempts} tries ({last_error}); "

@@ -72,6 +72,7 @@ class TableTarget:
         self.logits = logits
         self.seen: list[int] = []
         self.last_fed = self.reopens = self.wire_bytes = 0
+        self.last_seconds = 0.0
 
     def _request(self, context: list[int], build: Callable[[int], Any], min_append: int) -> Any:
         """The request as SessionStream builds it; the tokens it leaves the session with must be `context`."""

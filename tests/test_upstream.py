@@ -37,7 +37,7 @@ def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
-def _step(errors: list[grpc.aio.AioRpcError | None]) -> tuple[Stream, list[_Stream]]:
+def _step(errors: list[grpc.aio.AioRpcError | None], backoff_s: float = 0.0) -> tuple[Stream, list[_Stream]]:
     """Run one step over two replicas; stream i fails with errors[i]."""
     opened: list[_Stream] = []
 
@@ -48,7 +48,7 @@ def _step(errors: list[grpc.aio.AioRpcError | None]) -> tuple[Stream, list[_Stre
     async def run() -> Stream:
         pool = ReplicaPool("target", "127.0.0.1:1,127.0.0.1:2", lambda channel: None, resolve_interval_s=60.0)
         await pool.start()
-        stream: Stream = SessionStream(pool, open_call, request_id="r1", attempts=2, backoff_s=0.0)
+        stream: Stream = SessionStream(pool, open_call, request_id="r1", attempts=2, backoff_s=backoff_s)
         try:
             await stream.step([1, 2], lambda keep: target_pb2.VerifyRequest(keep=keep))
         finally:
@@ -73,6 +73,14 @@ def test_a_lost_stream_is_reopened_on_the_other_replica(code, details):
     assert len(opened) == 2 and opened[0].cancelled
     assert stream.reopens == 1
     assert stream.replica is not None and stream.replica.failed_at < 0  # the second replica answered
+
+
+def test_a_steps_time_is_its_answering_attempt_alone():
+    """The step time the load-aware price learns from (shared by every request) leaves out a lost
+    stream's failed attempt and the backoff before the retry: one request's bad luck is no load."""
+    stream, opened = _step([_error(grpc.StatusCode.UNAVAILABLE, "Socket closed"), None], backoff_s=0.2)
+    assert len(opened) == 2
+    assert 0 < stream.last_seconds < 0.05  # the backoff slept at least 0.1 s
 
 
 @pytest.mark.parametrize(
