@@ -28,9 +28,8 @@ from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError, resource_exhau
 
 log = structlog.get_logger(__name__)
 
-# Rows at most this wide share a forward with one another; wider ones (prefill chunks) get their own,
-# so that decoding rows are not padded to a prefill's width.
-_NARROW_ROW_TOKENS = 32
+# What one more forward costs, in tokens fed, when nothing better is known (`Engine.overhead_tokens`).
+DEFAULT_OVERHEAD_TOKENS = 32.0
 
 
 @dataclass(frozen=True)
@@ -103,10 +102,15 @@ class SlotAllocator:
 class Engine:
     """One model, one thread, one forward per iteration over every ready job."""
 
-    def __init__(self, forward: Forward, limits: EngineLimits, role: str) -> None:
+    def __init__(
+        self, forward: Forward, limits: EngineLimits, role: str, overhead_tokens: float = DEFAULT_OVERHEAD_TOKENS
+    ) -> None:
         self.forward = forward
         self.limits = limits
         self.role = role
+        # The fixed cost of a forward over the cost of one token fed (`profile.overhead_tokens`): how
+        # much padding a row may add to a forward before it pays to run it in a forward of its own.
+        self.overhead_tokens = overhead_tokens
         self.slots = SlotAllocator()
         self._inbox: deque[Job] = deque()
         self._active: list[Job] = []
@@ -204,12 +208,11 @@ class Engine:
                 _fail(job, _busy(self.limits.max_queue_wait_s))
             else:
                 self._active.append(job)
-        chosen = self._schedule()
-        narrow = [(job, row) for job, row in chosen if len(row.token_ids) <= _NARROW_ROW_TOKENS]
-        wide = [(job, row) for job, row in chosen if len(row.token_ids) > _NARROW_ROW_TOKENS]
-        for group in (narrow, wide):
-            if group:
-                self._run_group(group)
+        chosen = sorted(self._schedule(), key=lambda pair: len(pair[1].token_ids))
+        start = 0
+        for end in group_ends([len(row.token_ids) for _, row in chosen], self.overhead_tokens):
+            self._run_group(chosen[start:end])  # the narrowest first: decoding rows come back soonest
+            start = end
 
     def _schedule(self) -> list[tuple[Job, Row]]:
         """Rows for this iteration: first come, first served, within the batch limits."""
@@ -271,6 +274,33 @@ class Engine:
                 else:
                     self._last_step.pop(job.slot, None)
                 _finish(job)
+
+
+def group_ends(widths: list[int], overhead_tokens: float) -> list[int]:
+    """How to split rows sorted by width (ascending) into forwards: the end index of each group.
+
+    A forward pads every row to its widest, so one catch-up or short prefill of 30 tokens among 15
+    decoding rows would make the forward 16 x 30 tokens instead of 15 + 30. Each forward costs about
+    `overhead_tokens + rows x width` tokens' worth; the split minimises the sum over forwards. Groups
+    are contiguous runs of the sorted widths, and split only between distinct widths, so the search
+    is over the few distinct widths of a batch, not its rows."""
+    if not widths:
+        return []
+    ends = [i + 1 for i in range(len(widths)) if i + 1 == len(widths) or widths[i + 1] != widths[i]]
+    # best[j]: the least cost of the rows before ends[j - 1] (best[0]: no rows); cut[j]: its last split.
+    best, cut = [0.0], [0]
+    for j, end in enumerate(ends, start=1):
+        options = [
+            (best[i] + overhead_tokens + (end - (ends[i - 1] if i else 0)) * widths[end - 1], i) for i in range(j)
+        ]
+        cost, split = min(options)
+        best.append(cost)
+        cut.append(split)
+    result, j = [], len(ends)
+    while j:
+        result.append(ends[j - 1])
+        j = cut[j]
+    return result[::-1]
 
 
 def _chunk(pending: int, num_logits: int, chunk: int) -> int:

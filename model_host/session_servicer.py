@@ -21,12 +21,12 @@ import grpc
 import structlog
 
 from model_host.config import ModelServiceConfig
-from model_host.engine import Engine, EngineLimits, Job
+from model_host.engine import DEFAULT_OVERHEAD_TOKENS, Engine, EngineLimits, Job
 from model_host.forward import Forward, choose_forward
 from model_host.kv_slots import SlotStore
 from model_host.loading import LoadedModel
 from model_host.metrics import CACHED_TOKENS, FED_TOKENS, FORWARD_SECONDS, OPEN_SESSIONS, STEPS
-from model_host.profile import forward_costs
+from model_host.profile import forward_costs, overhead_tokens
 from model_host.sessions import Session, SessionStore
 from serving.errors import invalid_argument
 from serving.protocol import REQUEST_ID_METADATA
@@ -101,7 +101,9 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         )
         widths = (1,) if self.role == "draft" else (1, 3, 5)  # a draft step feeds one token per forward
         self.forward_costs = forward_costs(forward, loaded.vocab_size, config.max_batch_size, widths)
-        self.engine = Engine(forward, limits, self.role)
+        overhead = overhead_tokens(self.forward_costs, DEFAULT_OVERHEAD_TOKENS)
+        log.info("engine_forward_overhead", tokens=round(overhead, 1), role=self.role)
+        self.engine = Engine(forward, limits, self.role, overhead)
         self.store = SessionStore(
             self.new_cache, config.max_sessions, config.max_cached_tokens, config.session_idle_timeout_s
         )

@@ -9,9 +9,10 @@ import grpc
 import pytest
 import torch
 
-from model_host.engine import Engine, EngineLimits, Job, _chunk
+from model_host.engine import Engine, EngineLimits, Job, _chunk, group_ends
 from model_host.forward import Forward, RowLogits
 from model_host.kv_slots import Row
+from model_host.profile import overhead_tokens
 from serving.errors import ServiceError
 
 VOCAB = 5
@@ -51,8 +52,8 @@ class Countdown(Job):
         return None
 
 
-def _engine(forward: FakeForward, **limits) -> Engine:
-    engine = Engine(forward, EngineLimits(batch_hold_fraction=0.0, **limits), "test")
+def _engine(forward: FakeForward, overhead_tokens: float = 32.0, **limits) -> Engine:
+    engine = Engine(forward, EngineLimits(batch_hold_fraction=0.0, **limits), "test", overhead_tokens)
     engine.start()
     return engine
 
@@ -102,6 +103,42 @@ def test_decoding_rows_are_not_padded_to_a_prefills_width():
         assert widths == [[2], [60]]  # two forwards in one iteration: narrow rows, then the wide one
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize(("overhead", "forwards"), [(4.0, [[1] * 15, [12]]), (1000.0, [[1] * 15 + [12]])])
+def test_a_wide_row_gets_a_forward_of_its_own_where_padding_to_it_costs_more(overhead, forwards):
+    """A draft catching up 12 tokens among 15 one-token rows: one forward pads all 16 rows to 12 tokens.
+    Where a forward costs little beyond its tokens (CPU) that is dearer than a second forward; where
+    it costs the same at 1 and 200 tokens (GPU), one forward is cheaper."""
+    forward = FakeForward(delay_s=0.02)
+    engine = _engine(forward, overhead, max_batch_size=32)
+    try:
+        blocker = engine.submit(Countdown(slot=31, start=0, pending=[1], num_logits=1))
+        time.sleep(0.005)
+        futures = [engine.submit(Countdown(slot=s, start=4, pending=[1], num_logits=1)) for s in range(15)]
+        futures.append(engine.submit(Countdown(slot=15, start=4, pending=list(range(12)), num_logits=1)))
+        for future in [blocker, *futures]:
+            future.result(5)
+        assert [sorted(len(r.token_ids) for r in b) for b in forward.batches[1:]] == forwards
+    finally:
+        engine.stop()
+
+
+def test_rows_are_grouped_into_forwards_at_the_least_padded_cost():
+    # cost of a forward: overhead + rows x widest row
+    assert group_ends([1] * 15 + [30], 20.0) == [15, 16]  # 35 + 50 against 20 + 480
+    assert group_ends([1] * 15 + [3], 40.0) == [16]  # 40 + 48 against 55 + 43
+    assert group_ends([1, 1, 3, 3, 3, 60, 512], 27.0) == [5, 6, 7]
+    assert group_ends([2, 2, 2], 0.0) == [3]  # splits only between distinct widths
+    assert group_ends([], 27.0) == []
+
+
+def test_a_forwards_overhead_in_tokens_comes_from_the_measured_curve():
+    cpu = [(1, 0.0070), (8, 0.0088), (16, 0.0108), (32, 0.0148), (160, 0.0468)]  # 6.75 ms + 0.25 ms a token
+    assert overhead_tokens(cpu, 32.0) == pytest.approx(27.0, rel=0.02)
+    assert overhead_tokens([(1, 0.010), (64, 0.010), (256, 0.0101)], 32.0, most=4096.0) == 4096.0  # GPU-like
+    assert overhead_tokens([(1, 0.010), (8, 0.009)], 32.0, most=4096.0) == 4096.0  # no growth
+    assert overhead_tokens([(4, 0.010)], 32.0) == 32.0  # one size says nothing
 
 
 def test_a_draft_like_job_takes_one_iteration_per_token_beside_others():
