@@ -13,7 +13,8 @@
   speculation does not pay; while there, a probe round every few rounds keeps the acceptance estimate
   alive, so speculation comes back when load falls. Above the per-round price, a server-wide gate
   (costs.SpeculationGate) measures whether speculating epochs really commit more tokens per second
-  than K = 0 epochs at the current load, and holds every load-aware request at K = 0 while they do not.
+  than K = 0 epochs at the current load, and holds every load-aware request at K = 0 while they do not
+  (with two or more requests running: alone, a request's own round times say whether its draft pays).
 """
 
 from __future__ import annotations

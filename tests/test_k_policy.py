@@ -197,7 +197,7 @@ def test_the_gate_measures_whether_speculating_pays_at_each_load():
     assert epoch(16) is True  # the exploration epoch
     # At another load level the measurements are its own: there speculation pays, and stays on.
     rate.update({True: 120, False: 80})
-    levels = [epoch(1) for _ in range(8)]
+    levels = [epoch(2) for _ in range(8)]
     assert levels[-3:] == [True, True, True]
     # After a pause, the first rounds of a new spell run in the mode their own load level chose, not
     # the one the last spell ended in.
@@ -205,7 +205,7 @@ def test_the_gate_measures_whether_speculating_pays_at_each_load():
     gate.record(5, 8)
     assert gate.speculate is False
     now[0] += 60.0
-    gate.record(5, 1)
+    gate.record(5, 2)
     assert gate.speculate is True
 
 
@@ -262,13 +262,13 @@ def test_the_gate_compares_rates_per_running_request():
 
     now = [0.0]
     gate = SpeculationGate(epoch_s=1.0, explore_every=100, settle_fraction=0.0, clock=lambda: now[0])
-    for _ in range(11):  # speculating, one request: 120 tokens/s
-        gate.record(12, 1)
+    for _ in range(11):  # speculating, two requests: 120 tokens/s, 60 per request
+        gate.record(12, 2)
         now[0] = round(now[0] + 0.1, 6)
     assert gate.speculate is False
-    # K = 0 at the tail of a busier spell: 2 requests, then 1 (1.4 on average); 140 tokens/s in all is
-    # 100 per request, slower than speculating.
-    for running in [2, 2, 2, 2, 1, 1, 1, 1, 1, 1]:
+    # K = 0 at the tail of a busier spell: 4 requests, then 2 (2.8 on average); 140 tokens/s in all is
+    # 50 per request, slower than speculating.
+    for running in [4, 4, 4, 4, 2, 2, 2, 2, 2, 2]:
         gate.record(14, running)
         now[0] = round(now[0] + 0.1, 6)
     assert gate.speculate is True
@@ -285,7 +285,7 @@ def test_the_gate_does_not_measure_the_switch_between_modes():
         # Speculating at 100 tokens/s; then K = 0, which stalls for 0.3 s after the switch and then
         # runs at 120 tokens/s: 84 tokens in the epoch, 120 per second once settled.
         for tokens in [10] * 11 + [0, 0, 0] + [12] * 7:
-            gate.record(tokens, 1)
+            gate.record(tokens, 2)
             now[0] = round(now[0] + 0.1, 6)
         return gate.speculate
 
@@ -300,12 +300,34 @@ def test_the_gate_keeps_speculation_only_for_a_clear_gain():
         now = [0.0]
         gate = SpeculationGate(epoch_s=1.0, explore_every=100, clock=lambda: now[0])
         for tokens in [20] * 11 + [plain_tokens] * 10:  # speculating at 200 tokens/s, then K = 0
-            gate.record(tokens, 1)
+            gate.record(tokens, 2)
             now[0] = round(now[0] + 0.1, 6)
         return gate.speculate
 
     assert decides(17) is True  # 18% faster than K = 0
     assert decides(19) is False  # 5% faster is within the noise: K = 0 is the safe choice
+
+
+def test_the_gate_never_holds_a_request_running_alone():
+    """Alone, a request's own round times tell whether its draft pays; the gate's epochs at K = 0
+    would only cost it the exploration. Where K = 0 measured faster for two, one still speculates."""
+    from orchestrator.costs import SpeculationGate
+
+    now = [0.0]
+    gate = SpeculationGate(epoch_s=1.0, explore_every=4, clock=lambda: now[0])
+
+    def epochs(running: int, count: int) -> list[bool]:
+        modes = []
+        for _ in range(count):
+            modes.append(gate.speculate)
+            for _ in range(10):
+                gate.record(10 if gate.speculate else 20, running)  # K = 0 commits twice as much
+                now[0] = round(now[0] + 0.1, 6)
+            gate.record(0, running)
+        return modes
+
+    assert epochs(2, 6)[2:].count(False) >= 3  # two requests: held at K = 0 but for explorations
+    assert epochs(1, 8) == [False] + [True] * 7  # alone from the first epoch it begins
 
 
 def test_the_gate_holds_model_drafts_but_not_lookups():
@@ -327,7 +349,7 @@ def test_a_slow_first_speculating_epoch_does_not_hold_k_at_zero():
     while len(modes) < 8:
         speculating = gate.speculate
         cold = speculating and len(modes) <= 1  # the first epoch
-        gate.record(9 if cold else 15 if speculating else 10, 1)  # tokens per 0.1 s
+        gate.record(9 if cold else 15 if speculating else 10, 2)  # tokens per 0.1 s
         if gate._started == now[0]:
             modes.append(gate.speculate)
         now[0] = round(now[0] + 0.1, 6)
