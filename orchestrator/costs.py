@@ -158,6 +158,7 @@ class SpeculationGate:
         self._tokens = 0
         self._running = 0  # running requests summed over the epoch's rounds, for its load level
         self._rounds = 0
+        self._level = 0  # the load level this epoch's mode was chosen for
         # level -> rates at K = 0 and speculating (committed tokens per second per running request)
         self._rates = ModeRates()
         self._choices: dict[int, int] = {}  # epochs begun at each level, for exploration
@@ -165,9 +166,12 @@ class SpeculationGate:
     def record(self, tokens: int, running: int) -> None:
         """A round committed `tokens` while `running` requests were generating."""
         now = self._clock()
-        if self._started is None or now - self._last > self.epoch_s:
+        idle = self._started is None or now - self._last > self.epoch_s
+        if idle or abs(running.bit_length() - self._level) >= 2:
             # The first round, or the first after an idle spell: the spell is no measurement of either
-            # mode, and this round's tokens were made before the epoch starts.
+            # mode, and this round's tokens were made before the epoch starts. Or the load changed
+            # fourfold or more within the epoch (a burst starting: its first round is often a request
+            # alone): the epoch measures neither load, and its mode was chosen for the other one.
             self._start_epoch(now, running)
             return
         self._last = now
@@ -183,7 +187,7 @@ class SpeculationGate:
         """Begin an epoch in the mode chosen for the load level now."""
         previous = self.speculate if self._started is not None else None
         self._started, self._last, self._tokens, self._running, self._rounds = now, now, 0, 0, 0
-        level = running.bit_length()
+        level = self._level = running.bit_length()
         plain, speculating = self._rates.get(level)
         choices = self._choices[level] = self._choices.get(level, 0) + 1
         explore = choices % self.explore_every == 0

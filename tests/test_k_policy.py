@@ -182,12 +182,15 @@ def test_the_gate_measures_whether_speculating_pays_at_each_load():
     rate = {True: 50, False: 80}  # at 8 running requests, K = 0 commits more tokens per second
 
     def epoch(running: int) -> bool:
-        mode = gate.speculate
+        """Rounds for an epoch at `running` requests; the mode they ran in (after a restart, if the
+        first round found the load changed fourfold)."""
+        modes = []
         for _ in range(10):
-            gate.record(rate[mode] // 10, running)
+            modes.append(gate.speculate)
+            gate.record(rate[gate.speculate] // 10, running)
             now[0] = round(now[0] + 0.1, 6)
         gate.record(0, running)  # closes the epoch
-        return mode
+        return modes[-1]
 
     modes = [epoch(8) for _ in range(13)]
     assert modes[:2] == [True, False]  # both measured first
@@ -198,7 +201,9 @@ def test_the_gate_measures_whether_speculating_pays_at_each_load():
     # At another load level the measurements are its own: there speculation pays, and stays on.
     rate.update({True: 120, False: 80})
     levels = [epoch(2) for _ in range(8)]
-    assert levels[-3:] == [True, True, True]
+    # Speculation measured first (no lower level lost), then K = 0, then speculation kept but for
+    # one exploration epoch in four (the 4th and 8th epochs begun at this level).
+    assert levels == [True, False, True, False, True, True, True, False]
     # After a pause, the first rounds of a new spell run in the mode their own load level chose, not
     # the one the last spell ended in.
     now[0] += 60.0
@@ -328,6 +333,29 @@ def test_the_gate_never_holds_a_request_running_alone():
 
     assert epochs(2, 6)[2:].count(False) >= 3  # two requests: held at K = 0 but for explorations
     assert epochs(1, 8) == [False] + [True] * 7  # alone from the first epoch it begins
+
+
+def test_a_burst_begins_a_new_epoch_in_the_mode_of_its_load():
+    """A burst's first round is often a request alone, which the gate lets speculate; once the burst
+    is running at a fourfold load, the epoch starts over in the mode measured for that load."""
+    from orchestrator.costs import SpeculationGate
+
+    now = [0.0]
+    gate = SpeculationGate(epoch_s=1.0, explore_every=100, clock=lambda: now[0])
+    rate = {True: 40, False: 80}  # at 16 running requests, K = 0 commits twice as much
+    for _ in range(40):
+        gate.record(rate[gate.speculate] // 10, 16)
+        now[0] = round(now[0] + 0.1, 6)
+    assert gate.speculate is False
+    now[0] += 60.0  # idle; then a burst
+    gate.record(1, 1)
+    assert gate.speculate is True  # one request alone
+    now[0] += 0.05
+    gate.record(1, 3)
+    assert gate.speculate is True  # 3 running: not yet a fourfold change (levels 1 and 2)
+    now[0] += 0.05
+    gate.record(1, 16)
+    assert gate.speculate is False  # K = 0, as measured at this load
 
 
 def test_the_gate_holds_model_drafts_but_not_lookups():
