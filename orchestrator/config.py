@@ -22,7 +22,7 @@ class OrchestratorConfig:
     max_new_tokens_cap: int = 4096
     max_speculative_tokens: int = 16
     num_speculative_tokens: int = 2
-    speculation_policy: str = "fixed"
+    speculation_policy: str = "load_aware"
     overlap_drafting: bool = True
     draft_method: str = "model"
     ngram_min: int = 2

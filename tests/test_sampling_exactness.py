@@ -269,9 +269,17 @@ def test_the_check_detects_a_wrong_distribution(tables):
 
 
 def test_same_seed_same_output_over_grpc(orchestrators):
+    """The contract is the fixed policy's: under load_aware (the default) K follows the load, and a
+    different K consumes the random stream differently."""
     stub = orchestrators["close"].stub
     request = orchestrator_pb2.GenerateRequest(
-        text="w3 w4", max_new_tokens=30, temperature=0.9, top_p=0.95, seed=42, num_speculative_tokens=3
+        text="w3 w4",
+        max_new_tokens=30,
+        temperature=0.9,
+        top_p=0.95,
+        seed=42,
+        num_speculative_tokens=3,
+        speculation_policy=orchestrator_pb2.SPECULATION_POLICY_FIXED,
     )
     first, _, _ = collect(stub, request)
     second, _, _ = collect(stub, request)
