@@ -12,17 +12,21 @@ all of them. Reports medians over repetitions and ratios taken within a repetiti
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
 import os
 import platform
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from bench.load import run_load
 from bench.report import as_json, plot, summarise, table
@@ -99,6 +103,18 @@ def _run_one(
     )
 
 
+def unrelated_draft(draft: str) -> str:
+    """A folder holding the draft's architecture and tokenizer with random weights (seed 0), removed at
+    exit: a draft that never agrees with the target, where speculation cannot pay and load_aware should
+    fall back to about the target alone."""
+    folder = tempfile.mkdtemp(prefix="specdec-unrelated-draft-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(draft)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(draft).save_pretrained(folder)
+    return folder
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -106,6 +122,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pair", type=Path, default=Path("default_models/pair"), help="folder with target/ and draft/")
     parser.add_argument("--target-model", default=None, help="overrides PAIR/target")
     parser.add_argument("--draft-model", default=None, help="overrides PAIR/draft")
+    parser.add_argument(
+        "--unrelated-draft",
+        action="store_true",
+        help="give the draft random weights (same architecture and tokenizer): speculation cannot pay",
+    )
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument(
         "--prompt-set",
@@ -131,6 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"model {path} not found; run `make models` or pass --target-model/--draft-model")
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.unrelated_draft:
+        args.draft_model = unrelated_draft(args.draft_model)
 
     prompts = held_out_prompts(args.prompts) if args.prompt_set == "held_out" else edit_prompts(args.prompts)
     if args.concurrency:

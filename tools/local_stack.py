@@ -199,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             num_speculative_tokens=args.num_speculative_tokens if args.draft_model else 0,
         )
         generate(stub, request)  # warm-up: first forward passes allocate and compile kernels
-        print(f"--- specdec, K = {request.num_speculative_tokens} ---\n{args.prompt}", end="")
+        print(f"--- specdec, load_aware, K up to {request.num_speculative_tokens} ---\n{args.prompt}", end="")
         speculative = generate(stub, request, echo=True)
         print("\n\n" + summary(speculative))
         if args.draft_model:
