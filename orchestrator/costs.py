@@ -166,8 +166,8 @@ class SpeculationGate:
     def record(self, tokens: int, running: int) -> None:
         """A round committed `tokens` while `running` requests were generating."""
         now = self._clock()
-        idle = self._started is None or now - self._last > self.epoch_s
-        if idle or abs(running.bit_length() - self._level) >= 2:
+        started = self._started
+        if started is None or now - self._last > self.epoch_s or abs(running.bit_length() - self._level) >= 2:
             # The first round, or the first after an idle spell: the spell is no measurement of either
             # mode, and this round's tokens were made before the epoch starts. Or the load changed
             # fourfold or more within the epoch (a burst starting: its first round is often a request
@@ -179,7 +179,7 @@ class SpeculationGate:
             self._tokens += tokens
             self._running += running
             self._rounds += 1
-        if now - self._started >= self.epoch_s:
+        if now - started >= self.epoch_s:
             self._close_epoch(now)
             self._start_epoch(now, running)
 
