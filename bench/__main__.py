@@ -109,8 +109,10 @@ def unrelated_draft(draft: str) -> str:
     fall back to about the target alone."""
     folder = tempfile.mkdtemp(prefix="specdec-unrelated-draft-")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(draft)).save_pretrained(folder)
+    with torch.random.fork_rng():  # the weights' initialisation draws from the global generator
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(draft))
+    model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(draft).save_pretrained(folder)
     return folder
 
