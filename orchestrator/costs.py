@@ -140,11 +140,15 @@ class SpeculationGate:
     ) -> None:
         self.epoch_s = epoch_s
         self.explore_every = explore_every
-        # After a switch of mode, the first part of an epoch measures the switch, not the mode: rounds
-        # of the previous mode still finishing, drafts catching up, and sessions that drifted out of
-        # phase while speculating (the target does not hold batches for speculative verifies) coming
-        # back into one batch. Left in, that made K = 0 epochs look 8-15% slower than K = 0 runs (8
-        # streams), and the gate kept a speculation that lost 10%.
+        # After a switch to K = 0, the first part of the epoch measures the end of speculating, not
+        # K = 0: speculative rounds still finishing, and sessions that drifted out of phase while
+        # speculating (the target does not hold batches for speculative verifies) coming back into
+        # one batch. Left in, that made K = 0 epochs look 8-15% slower than K = 0 runs (8 streams),
+        # and the gate kept a speculation that lost 10%. A switch to speculation is measured whole:
+        # its start is every session's draft catching up on the tokens committed at K = 0, a cost of
+        # speculating. Left out, the gate at 16 streams measured speculating epochs 10% faster than
+        # K = 0 epochs and kept speculating, while whole runs that speculated ran 0.89x the target
+        # alone (runs that stayed at K = 0: 0.95x).
         self.settle_fraction = settle_fraction
         # Speculation must measure this much faster to be kept: epochs are noisy (one that holds the
         # start of a burst of prefills looks slow), and a wrong K = 0 is never slower than the target
@@ -163,17 +167,27 @@ class SpeculationGate:
         self._rates = ModeRates()
         self._choices: dict[int, int] = {}  # epochs begun at each level, for exploration
 
+    def speculating(self, running: int) -> bool:
+        """Whether a round starting now, with `running` requests generating, may speculate.
+
+        The mode is chosen for the load now, not the one the last epoch was chosen for: the first
+        rounds of a burst after a pause used to run in the mode the previous burst's tail ended in
+        (seen in a debug log at 16 streams: every request's first round at K = 2, drafting its
+        prompt, before the first verdict restarted the epoch at K = 0)."""
+        now = self._clock()
+        if self._stale(now, running):
+            self._start_epoch(now, running)
+        return self.speculate
+
     def record(self, tokens: int, running: int) -> None:
         """A round committed `tokens` while `running` requests were generating."""
         now = self._clock()
-        started = self._started
-        if started is None or now - self._last > self.epoch_s or abs(running.bit_length() - self._level) >= 2:
-            # The first round, or the first after an idle spell: the spell is no measurement of either
-            # mode, and this round's tokens were made before the epoch starts. Or the load changed
-            # fourfold or more within the epoch (a burst starting: its first round is often a request
-            # alone): the epoch measures neither load, and its mode was chosen for the other one.
+        if self._stale(now, running):
+            # This round's tokens were made before the epoch starts.
             self._start_epoch(now, running)
             return
+        started = self._started
+        assert started is not None
         self._last = now
         if now > self._measured_from:
             self._tokens += tokens
@@ -183,8 +197,16 @@ class SpeculationGate:
             self._close_epoch(now)
             self._start_epoch(now, running)
 
+    def _stale(self, now: float, running: int) -> bool:
+        """Whether the current epoch no longer measures anything: there is none yet, or no round came
+        for longer than an epoch (an idle spell is no measurement of either mode), or the load changed
+        fourfold or more within it (a burst starting: its first round is often a request alone), so
+        that its mode was chosen for another load."""
+        return self._started is None or now - self._last > self.epoch_s or abs(running.bit_length() - self._level) >= 2
+
     def _start_epoch(self, now: float, running: int) -> None:
-        """Begin an epoch in the mode chosen for the load level now."""
+        """Begin an epoch in the mode chosen for the load level now (its measurement starts later after
+        a switch to K = 0: `settle_fraction`)."""
         previous = self.speculate if self._started is not None else None
         self._started, self._last, self._tokens, self._running, self._rounds = now, now, 0, 0, 0
         level = self._level = running.bit_length()
@@ -204,8 +226,8 @@ class SpeculationGate:
         else:
             best = self._pays(plain, speculating)
             self.speculate = (not best) if explore else best
-        switched = previous is not None and previous != self.speculate
-        self._measured_from = now + self.settle_fraction * self.epoch_s if switched else now
+        to_plain = previous is True and not self.speculate
+        self._measured_from = now + self.settle_fraction * self.epoch_s if to_plain else now
 
     def _close_epoch(self, now: float) -> None:
         assert self._started is not None

@@ -152,7 +152,7 @@ class LoadAwareK(KPolicy):
         return self._accepted / self._trials
 
     def next_k(self) -> int:
-        if self.max_k == 0 or (self.drafts_cost and not self.load.gate.speculate):
+        if self.max_k == 0 or (self.drafts_cost and not self.load.gate.speculating(self.load.running)):
             return 0  # the gate measures what the draft model's forwards cost everyone; lookups have none
         if self._rounds_without_draft >= self.probe_every:
             return 1  # a probe: one cheap draft token refreshes the acceptance estimate

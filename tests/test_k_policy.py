@@ -234,12 +234,44 @@ def test_an_idle_spell_is_no_epoch_of_the_gate():
     assert gate.speculate is False
 
 
+def _close_the_gate(load) -> list[float]:
+    """Make `load`'s gate measure, at 8 running requests, K = 0 faster than speculating; its clock."""
+    from orchestrator.costs import SpeculationGate
+
+    now = [0.0]
+    load.gate = SpeculationGate(epoch_s=1.0, explore_every=100, clock=lambda: now[0])
+    load.running = 8
+    rate = {True: 50, False: 80}
+    for _ in range(40):
+        load.gate.record(rate[load.gate.speculating(load.running)] // 10, load.running)
+        now[0] = round(now[0] + 0.1, 6)
+    assert load.gate.speculate is False
+    return now
+
+
 def test_load_aware_stays_at_zero_while_the_gate_is_closed():
     load = _load([(1, 0.020), (256, 0.021)], [(1, 0.0001)], batch_size=1)
     policy = LoadAwareK(4, 4, load)
     assert policy.next_k() > 0
-    load.gate.speculate = False
+    _close_the_gate(load)
     assert policy.next_k() == 0
+
+
+def test_the_first_rounds_of_a_burst_run_in_the_mode_of_its_load():
+    """After a pause, a burst's first rounds (drafting the prompt, were they to speculate) ask the gate
+    before any verdict: they get the mode measured for the load now, not the one the previous burst's
+    tail (a request alone, speculating) left behind."""
+    load = _load([(1, 0.020), (256, 0.021)], [(1, 0.0001)], batch_size=1)
+    policy = LoadAwareK(4, 4, load)
+    now = _close_the_gate(load)
+    load.running = 1
+    load.gate.record(5, 1)  # the last request of the burst, alone
+    assert policy.next_k() > 0
+    now[0] += 60.0  # a pause, then 16 requests arrive together
+    load.running = 16
+    assert policy.next_k() == 0
+    load.running = 1
+    assert policy.next_k() > 0  # a fourfold fall in load within the epoch: alone, it speculates
 
 
 def test_the_hybrid_asks_the_draft_on_lookup_misses_only_where_that_pays():
@@ -296,6 +328,27 @@ def test_the_gate_does_not_measure_the_switch_between_modes():
 
     assert decides(0.0) is True  # the stall counted: K = 0 looked slower than speculating
     assert decides(0.3) is False  # settled, K = 0 measured 20% faster
+
+
+def test_the_gate_counts_the_drafts_catching_up_against_speculation():
+    """A switch to speculation starts with every session's draft catching up on what K = 0 rounds
+    committed: a cost of speculating, measured with it."""
+    from orchestrator.costs import SpeculationGate
+
+    now = [0.0]
+    gate = SpeculationGate(epoch_s=1.0, explore_every=2, settle_fraction=0.3, clock=lambda: now[0])
+    # Speculating first, at 100 tokens/s; then K = 0 at 100 (settled) and a K = 0 epoch at 100.
+    # Then the exploration: speculation stalls 0.3 s while the drafts catch up, then runs at 140 tokens/s:
+    # 98 in the epoch, counted whole; its mean with the first epoch is 99, short of K = 0's 100 x 1.1
+    # (without the stall, 140 would make it 120 and speculation would be kept).
+    for tokens in [10] * 11 + [10] * 10 + [10] * 10:
+        gate.record(tokens, 8)
+        now[0] = round(now[0] + 0.1, 6)
+    assert gate.speculate is True  # the exploration epoch
+    for tokens in [0, 0, 0] + [14] * 7:
+        gate.record(tokens, 8)
+        now[0] = round(now[0] + 0.1, 6)
+    assert gate.speculate is False
 
 
 def test_the_gate_keeps_speculation_only_for_a_clear_gain():
@@ -361,7 +414,7 @@ def test_a_burst_begins_a_new_epoch_in_the_mode_of_its_load():
 def test_the_gate_holds_model_drafts_but_not_lookups():
     load = _load([(1, 0.020), (256, 0.021)], [(1, 0.0001)], batch_size=1)
     model, lookup = LoadAwareK(4, 4, load), LoadAwareK(4, 4, load, drafts_cost=False)
-    load.gate.speculate = False  # the draft model's forwards measured a loss at this load
+    _close_the_gate(load)  # the draft model's forwards measured a loss at this load
     assert model.next_k() == 0 and lookup.next_k() > 0
 
 
