@@ -143,6 +143,7 @@ class Generation:
         self.model_on_misses = self.hybrid is None or self.hybrid.model_on_misses(self.running_at_start)
         self.generator = seeded_generator(request.seed)
         self.drafting_refused = False  # the draft refused this request's steps: no more drafting for it
+        self._target_probs: torch.Tensor | None = None  # the last sampled step's rows, for a probe
         self.sampling_proto = request.sampling.to_proto()  # the same for every round
         self.stats = Stats(prompt_tokens=len(self.sequence))
         self.finish_reason: int = orchestrator_pb2.FINISH_REASON_UNSPECIFIED
@@ -180,6 +181,20 @@ class Generation:
                         await guess
                     raise
                 speculative = await guess
+            elif not draft.token_ids and self.model_on_misses and self._drafting_usable() and self.policy.probe_due():
+                # One draft token for the position the target is about to decide, beside its step:
+                # what the policy learns, at no cost to this round's time.
+                probe = asyncio.create_task(self._propose(self.sequence, 1))
+                self.stats.probe_rounds += 1
+                try:
+                    verdict, target_seconds = await self._verify(draft)
+                except BaseException:
+                    probe.cancel()
+                    with contextlib.suppress(BaseException):
+                        await probe
+                    raise
+                self._observe_probe(await probe, verdict)
+                speculative = NO_DRAFT
             else:
                 verdict, target_seconds = await self._verify(draft)
                 speculative = NO_DRAFT
@@ -257,9 +272,27 @@ class Generation:
             return None
         return speculative.rest()
 
+    def _drafting_usable(self) -> bool:
+        return self.draft is not None and not self.drafting_refused and self.availability.usable
+
+    def _observe_probe(self, probe: Draft, verdict: Verdict) -> None:
+        """Tell the policy how likely the probe's token was to be accepted at the position the round's
+        step decided: greedy, whether it is the target's token; sampling, min(1, p / q)."""
+        if not probe.token_ids:
+            self.policy.observe_probe(None)  # the draft failed or was busy
+            return
+        token = probe.token_ids[0]
+        if probe.probs is None:
+            acceptance = float(token == verdict.output_token_ids[0])
+        else:
+            assert self._target_probs is not None
+            p, q = float(self._target_probs[0, token]), float(probe.probs[0, token])
+            acceptance = min(1.0, p / q) if q > 0 else 0.0
+        self.policy.observe_probe(acceptance)
+
     def _round_k(self, produced: int) -> int:
         """This round's K: the policy's choice, capped so no round overshoots a limit."""
-        if self.draft is None or self.drafting_refused or not self.availability.usable:
+        if not self._drafting_usable():
             return 0
         n = len(self.sequence)
         return max(
@@ -357,6 +390,7 @@ class Generation:
             target_probs = decode_prob_rows(response.target_probs, self.limits.vocab_size)  # [k + 1, vocab]
         except WireFormatError as exc:
             raise ServiceError(grpc.StatusCode.INTERNAL, f"the target replica sent unusable rows: {exc}") from exc
+        self._target_probs = target_probs
         draft_probs = draft.probs if draft.probs is not None else torch.empty(0, self.limits.vocab_size)
         return verify_sampled(draft_ids, draft_probs, target_probs, self.generator), target_seconds
 

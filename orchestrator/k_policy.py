@@ -10,11 +10,12 @@
   target forward over B (K + 1) tokens, each stretched by its service's step time over forward time,
   scaled by what rounds with and without a draft step measured against that prediction. It starts at
   the server's K and moves only for a clear predicted gain. K = 0 (the target alone) wins when
-  speculation does not pay; while there, a probe round every few rounds keeps the acceptance estimate
-  alive, so speculation comes back when load falls. Above the per-round price, a server-wide gate
-  (costs.SpeculationGate) measures whether speculating epochs really commit more tokens per second
-  than K = 0 epochs at the current load, and holds every load-aware request at K = 0 while they do not
-  (with two or more requests running: alone, a request's own round times say whether its draft pays).
+  speculation does not pay; while there, every few rounds a probe (one draft token, asked beside the
+  target's step) keeps the acceptance estimate alive, so speculation comes back when load falls.
+  Above the per-round price, a server-wide gate (costs.SpeculationGate) measures whether speculating
+  epochs really commit more tokens per second than K = 0 epochs at the current load, and holds every
+  load-aware request at K = 0 while they do not (with two or more requests running: alone, a
+  request's own round times say whether its draft pays).
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ class KPolicy(abc.ABC):
     def observe_wall(self, k: int, seconds: float, draft_fed: int = 0) -> None:  # noqa: B027
         """A round at K = k took `seconds` of wall time, proposal to verdict, and its draft step fed
         `draft_fed` tokens; a no-op by default."""
+
+    def probe_due(self) -> bool:
+        """Whether this round, at K = 0, should ask the draft for one token beside the target's step,
+        to measure whether it agrees again (`observe_probe`). False by default."""
+        return False
+
+    def observe_probe(self, acceptance: float | None) -> None:  # noqa: B027
+        """A probe's draft token would have been accepted with this probability (None: the draft gave
+        no token); a no-op by default."""
 
 
 class FixedK(KPolicy):
@@ -154,8 +164,8 @@ class LoadAwareK(KPolicy):
     def next_k(self) -> int:
         if self.max_k == 0 or (self.drafts_cost and not self.load.gate.speculating(self.load.running)):
             return 0  # the gate measures what the draft model's forwards cost everyone; lookups have none
-        if self._rounds_without_draft >= self.probe_every:
-            return 1  # a probe: one cheap draft token refreshes the acceptance estimate
+        if not self.drafts_cost and self._rounds_without_draft >= self.probe_every:
+            return 1  # a lookup's probe: proposing costs nothing, verifying one more row little
         rate = min(self.acceptance_rate, 0.99)
         goodput = [expected_tokens(rate, k) / max(self.round_seconds(k), 1e-9) for k in range(self.max_k + 1)]
         best = max(range(1, self.max_k + 1), key=goodput.__getitem__)
@@ -168,6 +178,26 @@ class LoadAwareK(KPolicy):
         # 1.25x the target alone; at 0.9, 76-80% and 1.38x, where fixed K = 2 made 1.39x). Whether
         # speculating costs other requests more than it gains is the gate's question, measured.
         return self._k if goodput[self._k] > self.margin * goodput[0] else 0
+
+    def probe_due(self) -> bool:
+        """A draft model's probe, every `probe_every` rounds at K = 0 while the gate lets this request
+        speculate. It runs beside the round's K = 0 step rather than as a round at K = 1 before the
+        target's step, so it adds nothing to the round's time where the draft has cores of its own
+        (measured with a random-weight draft at one stream, as rounds at K = 1: 0.87x the target
+        alone, 0.98x without probes)."""
+        return (
+            self.drafts_cost
+            and self.max_k > 0
+            and self._rounds_without_draft >= self.probe_every
+            and self.load.gate.speculating(self.load.running)
+        )
+
+    def observe_probe(self, acceptance: float | None) -> None:
+        self._rounds_without_draft = 0  # a draft that did not answer is asked again in as many rounds
+        if acceptance is None:
+            return
+        self._accepted = self.decay * self._accepted + acceptance
+        self._trials = self.decay * self._trials + 1
 
     def round_seconds(self, k: int) -> float:
         """The services' price of a round at K = k, scaled by what this request's rounds of its kind

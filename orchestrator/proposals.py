@@ -41,6 +41,7 @@ class Stats:
     ngram_rounds: int = 0
     ngram_draft_tokens: int = 0
     ngram_accepted_tokens: int = 0
+    probe_rounds: int = 0  # K = 0 rounds that asked the draft for one token beside the target's step
 
     def record_round(self, verdict: Verdict, proposer: str) -> None:
         self.rounds += 1
@@ -81,6 +82,7 @@ class Stats:
             ngram_rounds=self.ngram_rounds,
             ngram_draft_tokens=self.ngram_draft_tokens,
             ngram_accepted_tokens=self.ngram_accepted_tokens,
+            probe_rounds=self.probe_rounds,
         )
 
 

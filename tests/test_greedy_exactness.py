@@ -88,3 +88,33 @@ def test_target_alone_is_exact(orchestrators, target_model, references):
         got, _, last = collect(orchestrators["none"].stub, request)
         assert got == expected
         assert last.stats.draft_tokens == 0 and last.stats.rounds == len(got)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_load_aware_probes_an_unrelated_draft_beside_the_targets_steps(orchestrators, target_model, sampled):
+    """With a draft that never agrees, load_aware falls to K = 0 and keeps asking the draft for one
+    token now and then, beside the target's step: the output stays the target's own."""
+    probes = drafted = 0
+    for prompt in _prompts(target_model.vocab_size)[:3]:
+        request = orchestrator_pb2.GenerateRequest(
+            token_ids=orchestrator_pb2.TokenIds(ids=prompt),
+            max_new_tokens=64,
+            num_speculative_tokens=2,
+            speculation_policy=orchestrator_pb2.SPECULATION_POLICY_LOAD_AWARE,
+        )
+        if sampled:
+            request.temperature, request.seed = 1.0, 7
+        got, _, last = collect(orchestrators["random"].stub, request)
+        if not sampled:
+            expected = hf_greedy(target_model, prompt, 64)
+            assert got == expected, _explain(target_model, prompt, expected, got)
+        assert len(got) == 64 or got[-1] in target_model.eos_token_ids
+        probes += last.stats.probe_rounds
+        drafted += last.stats.draft_tokens
+    if sampled:
+        # Sampled, the tiny random draft agrees now and then (min(1, p / q) is not small between two
+        # near-uniform models), so speculation is off for fewer rounds; the probes' rows still ran.
+        assert probes >= 1, (probes, drafted)
+    else:
+        assert probes >= 3, (probes, drafted)  # about one K = 0 round in eight asked the draft
+        assert drafted < 3 * 64 // 4, drafted  # and speculation stayed mostly off

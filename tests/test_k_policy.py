@@ -111,13 +111,45 @@ def test_load_aware_falls_to_zero_when_verifying_costs_grow_with_the_batch_and_c
     for _ in range(5):
         policy.observe(_verdict(1, 4))  # acceptance about 0.3
     assert policy.next_k() == 0
-    for _ in range(policy.probe_every):
+    for _ in range(policy.probe_every - 1):
         policy.observe(_verdict(0, 0))  # rounds at K = 0
-    assert policy.next_k() == 1  # a probe keeps the acceptance estimate alive
+        assert not policy.probe_due()
+    policy.observe(_verdict(0, 0))
+    # A probe keeps the acceptance estimate alive: one draft token beside the next K = 0 step.
+    assert policy.next_k() == 0 and policy.probe_due()
+    policy.observe_probe(None)  # the draft did not answer: asked again in as many rounds
+    assert not policy.probe_due()
     load.batch_size = 1.0  # the load falls, and the probes show the draft agrees well
     for _ in range(10):
-        policy.observe(_verdict(1, 1))
+        for _ in range(policy.probe_every):
+            policy.observe(_verdict(0, 0))
+        assert policy.probe_due()
+        policy.observe_probe(1.0)
     assert policy.next_k() > 0
+
+
+def test_a_probe_waits_while_the_gate_holds_k_at_zero():
+    """The gate holds a request at K = 0 because draft forwards cost the others: probes are draft
+    forwards too."""
+    load = _load([(1, 0.020), (256, 0.021)], [(1, 0.0001)], batch_size=1)
+    policy = LoadAwareK(4, 4, load)
+    _close_the_gate(load)
+    for _ in range(2 * policy.probe_every):
+        policy.observe(_verdict(0, 0))
+    assert policy.next_k() == 0 and not policy.probe_due()
+
+
+def test_a_lookups_probe_rides_in_the_round():
+    """A prompt lookup's probe costs no draft forward: it is a round at K = 1, not a draft step."""
+    steep = [(1, 0.005), (16, 0.015), (64, 0.060), (256, 0.240)]
+    load = _load(steep, [(1, 0.001), (16, 0.004)], batch_size=16)
+    policy = LoadAwareK(4, 8, load, drafts_cost=False)
+    for _ in range(5):
+        policy.observe(_verdict(0, 4))  # the lookups keep missing
+    assert policy.next_k() == 0
+    for _ in range(policy.probe_every):
+        policy.observe(_verdict(0, 0))
+    assert policy.next_k() == 1 and not policy.probe_due()
 
 
 def test_load_aware_prices_rounds_by_what_they_measured():
