@@ -60,6 +60,7 @@ class LoadSample:
     itl: list[float] = field(default_factory=list)  # per output token after the first
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    probe_rounds: int = 0  # K = 0 rounds that asked the draft for one token beside the target's step
     token_ids: list[list[int]] = field(default_factory=list)
 
     @property
@@ -85,6 +86,7 @@ async def _client(
             if message.finish_reason:
                 sample.draft_tokens += message.stats.draft_tokens
                 sample.accepted_tokens += message.stats.accepted_tokens
+                sample.probe_rounds += message.stats.probe_rounds
         sample.tokens += len(ids)
         sample.token_ids.append(ids)
 
@@ -179,6 +181,8 @@ def summarise_load(samples: list[LoadSample], concurrencies: list[int]) -> list[
                     "itl_p99_s": percentile(itl, 0.99),
                     "acceptance": sum(s.accepted_tokens for s in runs) / drafted if drafted else 0.0,
                     "draft_tokens_per_output_token": drafted / max(1, sum(s.tokens for s in runs)),
+                    "probe_rounds_per_output_token": sum(s.probe_rounds for s in runs)
+                    / max(1, sum(s.tokens for s in runs)),
                 }
             )
     return rows
