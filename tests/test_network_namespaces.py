@@ -114,8 +114,11 @@ def test_generation_across_three_hosts(hosts, tiny_pair, tmp_path: Path):
     orchestrator_address = f"{LINKS['client'][0]}:{PORT}"
     processes = _start_hosts(hosts, tiny_pair, tmp_path)
     try:
+        # The fixed policy, so that every round asks the draft's host (load_aware may price K = 0 for
+        # the tiny pair from the first round, and probe it only beside the target's steps).
         result = client_json(
-            orchestrator_address, "--prompt", "w2 w3", "--max-new-tokens", "10", "--num-speculative-tokens", "3"
+            orchestrator_address,
+            *("--prompt", "w2 w3", "--max-new-tokens", "10", "--num-speculative-tokens", "3", "--policy", "fixed"),
         )
         assert len(result["token_ids"]) >= 1 and result["stats"]["draft_tokens"] > 0
         # The target is not reachable from the test's own host: only the orchestrator links to it.

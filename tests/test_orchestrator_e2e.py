@@ -172,7 +172,11 @@ def test_unreachable_draft_falls_back_to_target_alone(target_server, target_mode
                 ),
                 timeout_s=10,
             )
-            got, _, last = collect(orchestrator.stub, _ids(prompt, max_new_tokens=20, num_speculative_tokens=3))
+            # Fixed K: every round asks the draft (load_aware may price K = 0 for the tiny pair).
+            fixed = orchestrator_pb2.SPECULATION_POLICY_FIXED
+            got, _, last = collect(
+                orchestrator.stub, _ids(prompt, max_new_tokens=20, num_speculative_tokens=3, speculation_policy=fixed)
+            )
             assert got == expected and last.stats.draft_tokens > 0
         finally:
             draft.stop()
