@@ -168,36 +168,27 @@ class Generation:
                 else:
                     draft = await self._propose(self.sequence, k) if k else NO_DRAFT
             CHOSEN_K.observe(len(draft.token_ids))
-            guess_k = self._guess_k(produced, draft)
-            if guess_k:
-                # Draft the next block as if this one were all accepted, while the target verifies.
-                # Its first token guesses the bonus token; the rest is the next block.
-                guess = asyncio.create_task(self._propose(self.sequence + draft.token_ids, guess_k))
-                try:
-                    verdict, target_seconds = await self._verify(draft)
-                except BaseException:
-                    guess.cancel()
-                    with contextlib.suppress(BaseException):
-                        await guess
-                    raise
-                speculative = await guess
-            elif not draft.token_ids and self.model_on_misses and self._drafting_usable() and self.policy.probe_due():
-                # One draft token for the position the target is about to decide, beside its step:
-                # what the policy learns, at no cost to this round's time.
-                probe = asyncio.create_task(self._propose(self.sequence, 1))
+            # Beside the target's step the draft may work: drafting the next block as if this one were
+            # all accepted (its first token guesses the bonus token; the rest is the next block), or,
+            # at K = 0, a probe: one token for the position the step decides, for the policy to learn
+            # from at no cost to the round's time.
+            side_k = self._guess_k(produced, draft)
+            probing = (
+                not side_k
+                and not draft.token_ids
+                and self.model_on_misses
+                and self._drafting_usable()
+                and self.policy.probe_due()
+            )
+            if probing:
+                side_k = 1
                 self.stats.probe_rounds += 1
-                try:
-                    verdict, target_seconds = await self._verify(draft)
-                except BaseException:
-                    probe.cancel()
-                    with contextlib.suppress(BaseException):
-                        await probe
-                    raise
-                self._observe_probe(await probe, verdict)
-                speculative = NO_DRAFT
+            verdict, target_seconds, side = await self._verify_beside(draft, side_k)
+            speculative = NO_DRAFT
+            if probing:
+                self._observe_probe(side, verdict)
             else:
-                verdict, target_seconds = await self._verify(draft)
-                speculative = NO_DRAFT
+                speculative = side
             policy = self.policy
             if draft.proposer == NGRAM:
                 assert self.lookup_policy is not None
@@ -353,6 +344,22 @@ class Generation:
         if self.load is not None:
             self.load.observe_draft(response.timing, len(token_ids), draft.last_fed, draft.last_seconds)
         return Draft(token_ids=token_ids, probs=probs, forward_seconds=response.timing.forward_seconds)
+
+    async def _verify_beside(self, draft: Draft, side_k: int) -> tuple[Verdict, float, Draft]:
+        """The target's verdict on `draft` and its forward seconds, and the draft's `side_k` tokens
+        continuing the sequence plus `draft`, proposed meanwhile (NO_DRAFT when side_k is 0)."""
+        if not side_k:
+            verdict, seconds = await self._verify(draft)
+            return verdict, seconds, NO_DRAFT
+        side = asyncio.create_task(self._propose(self.sequence + draft.token_ids, side_k))
+        try:
+            verdict, seconds = await self._verify(draft)
+        except BaseException:
+            side.cancel()
+            with contextlib.suppress(BaseException):
+                await side
+            raise
+        return verdict, seconds, await side
 
     async def _verify(self, draft: Draft) -> tuple[Verdict, float]:
         """The target's verdict on a block, and the target's forward seconds."""
