@@ -23,7 +23,7 @@ from orchestrator.k_policy import KPolicy
 from orchestrator.metrics import CHOSEN_K
 from orchestrator.ngram import NgramIndex
 from orchestrator.proposals import MODEL, NGRAM, NO_DRAFT, Draft, Stats, point_masses
-from orchestrator.rejection import Verdict, verify_greedy, verify_sampled
+from orchestrator.rejection import Verdict, acceptance_probability, verify_greedy, verify_sampled
 from orchestrator.upstream import SessionStream
 from serving.errors import ServiceError
 from serving.sampling import SamplingParams, seeded_generator
@@ -51,6 +51,16 @@ class GenerationRequest:
     draft_method: str = MODEL  # MODEL, NGRAM, or "hybrid" (the lookup when it matches, else the model)
     ngram_min: int = 2
     ngram_max: int = 4
+
+
+@dataclass(frozen=True)
+class Checked:
+    """The target's answer to one step: the round's verdict, the target's forward seconds, and (when
+    sampling) its probability rows, [k + 1, vocab]."""
+
+    verdict: Verdict
+    target_seconds: float
+    target_probs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -143,7 +153,6 @@ class Generation:
         self.model_on_misses = self.hybrid is None or self.hybrid.model_on_misses(self.running_at_start)
         self.generator = seeded_generator(request.seed)
         self.drafting_refused = False  # the draft refused this request's steps: no more drafting for it
-        self._target_probs: torch.Tensor | None = None  # the last sampled step's rows, for a probe
         self.sampling_proto = request.sampling.to_proto()  # the same for every round
         self.stats = Stats(prompt_tokens=len(self.sequence))
         self.finish_reason: int = orchestrator_pb2.FINISH_REASON_UNSPECIFIED
@@ -183,12 +192,11 @@ class Generation:
             if probing:
                 side_k = 1
                 self.stats.probe_rounds += 1
-            verdict, target_seconds, side = await self._verify_beside(draft, side_k)
-            speculative = NO_DRAFT
+            checked, side = await self._verify_beside(draft, side_k)
+            verdict, target_seconds = checked.verdict, checked.target_seconds
             if probing:
-                self._observe_probe(side, verdict)
-            else:
-                speculative = side
+                self._observe_probe(side, checked)
+            speculative = NO_DRAFT if probing else side
             policy = self.policy
             if draft.proposer == NGRAM:
                 assert self.lookup_policy is not None
@@ -266,19 +274,17 @@ class Generation:
     def _drafting_usable(self) -> bool:
         return self.draft is not None and not self.drafting_refused and self.availability.usable
 
-    def _observe_probe(self, probe: Draft, verdict: Verdict) -> None:
+    def _observe_probe(self, probe: Draft, checked: Checked) -> None:
         """Tell the policy how likely the probe's token was to be accepted at the position the round's
         step decided: greedy, whether it is the target's token; sampling, min(1, p / q)."""
         if not probe.token_ids:
             self.policy.observe_probe(None)  # the draft failed or was busy
             return
         token = probe.token_ids[0]
-        if probe.probs is None:
-            acceptance = float(token == verdict.output_token_ids[0])
+        if probe.probs is None or checked.target_probs is None:
+            acceptance = float(token == checked.verdict.output_token_ids[0])
         else:
-            assert self._target_probs is not None
-            p, q = float(self._target_probs[0, token]), float(probe.probs[0, token])
-            acceptance = min(1.0, p / q) if q > 0 else 0.0
+            acceptance = acceptance_probability(token, probe.probs[0], checked.target_probs[0])
         self.policy.observe_probe(acceptance)
 
     def _round_k(self, produced: int) -> int:
@@ -345,24 +351,23 @@ class Generation:
             self.load.observe_draft(response.timing, len(token_ids), draft.last_fed, draft.last_seconds)
         return Draft(token_ids=token_ids, probs=probs, forward_seconds=response.timing.forward_seconds)
 
-    async def _verify_beside(self, draft: Draft, side_k: int) -> tuple[Verdict, float, Draft]:
-        """The target's verdict on `draft` and its forward seconds, and the draft's `side_k` tokens
-        continuing the sequence plus `draft`, proposed meanwhile (NO_DRAFT when side_k is 0)."""
+    async def _verify_beside(self, draft: Draft, side_k: int) -> tuple[Checked, Draft]:
+        """The target's check of `draft`, and the draft's `side_k` tokens continuing the sequence plus
+        `draft`, proposed meanwhile (NO_DRAFT when side_k is 0)."""
         if not side_k:
-            verdict, seconds = await self._verify(draft)
-            return verdict, seconds, NO_DRAFT
+            return await self._verify(draft), NO_DRAFT
         side = asyncio.create_task(self._propose(self.sequence + draft.token_ids, side_k))
         try:
-            verdict, seconds = await self._verify(draft)
+            checked = await self._verify(draft)
         except BaseException:
             side.cancel()
             with contextlib.suppress(BaseException):
                 await side
             raise
-        return verdict, seconds, await side
+        return checked, await side
 
-    async def _verify(self, draft: Draft) -> tuple[Verdict, float]:
-        """The target's verdict on a block, and the target's forward seconds."""
+    async def _verify(self, draft: Draft) -> Checked:
+        """The target's verdict on a block, its forward seconds and, sampling, its rows."""
         context = [*self.sequence, *draft.token_ids]
         rows = len(draft.token_ids) + 1
         sampling = self.sampling_proto
@@ -392,14 +397,15 @@ class Generation:
         draft_ids = torch.tensor(draft.token_ids, dtype=torch.long)  # [k]
         if self.request.sampling.greedy:
             argmax = torch.tensor(list(response.argmax_token_ids), dtype=torch.long)  # [k + 1]
-            return verify_greedy(draft_ids, argmax), target_seconds
+            return Checked(verify_greedy(draft_ids, argmax), target_seconds)
         try:
             target_probs = decode_prob_rows(response.target_probs, self.limits.vocab_size)  # [k + 1, vocab]
         except WireFormatError as exc:
             raise ServiceError(grpc.StatusCode.INTERNAL, f"the target replica sent unusable rows: {exc}") from exc
-        self._target_probs = target_probs
         draft_probs = draft.probs if draft.probs is not None else torch.empty(0, self.limits.vocab_size)
-        return verify_sampled(draft_ids, draft_probs, target_probs, self.generator), target_seconds
+        return Checked(
+            verify_sampled(draft_ids, draft_probs, target_probs, self.generator), target_seconds, target_probs
+        )
 
     def _commit(self, verdict: Verdict) -> list[int]:
         """Append the round's tokens (cut after an EOS); each service's next step keeps what it shares."""

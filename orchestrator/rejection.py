@@ -57,6 +57,12 @@ def residual_distribution(target_row: torch.Tensor, draft_row: torch.Tensor) -> 
     return residual / total
 
 
+def acceptance_probability(token: int, draft_row: torch.Tensor, target_row: torch.Tensor) -> float:
+    """min(1, p(x) / q(x)): how likely speculative sampling keeps draft token x, sampled from q."""
+    q = float(draft_row[token])
+    return min(1.0, float(target_row[token]) / q) if q > 0 else 0.0
+
+
 def verify_sampled(
     draft_token_ids: torch.Tensor,  # [k] int
     draft_probs: torch.Tensor,  # [k, vocab] float32: q, the rows the draft tokens were sampled from

@@ -91,3 +91,14 @@ def test_one_step_output_follows_target_distribution():
         counts[verdict.output_token_ids[0]] += 1
     result = stats.chisquare(counts.numpy(), (target_row * samples).numpy())
     assert result.pvalue > 0.01, (counts / samples, target_row)
+
+
+def test_acceptance_probability_is_min_one_p_over_q():
+    from orchestrator.rejection import acceptance_probability
+
+    draft_row = torch.tensor([0.5, 0.25, 0.25, 0.0])
+    target_row = torch.tensor([0.25, 0.5, 0.25, 0.0])
+    assert acceptance_probability(0, draft_row, target_row) == 0.5
+    assert acceptance_probability(1, draft_row, target_row) == 1.0
+    assert acceptance_probability(2, draft_row, target_row) == 1.0
+    assert acceptance_probability(3, draft_row, target_row) == 0.0  # never sampled from q
