@@ -10,7 +10,7 @@ PAIR ?= default_models/pair
 PROMPT ?= def fibonacci(n):
 HOST ?= 127.0.0.1
 
-.PHONY: setup proto lint test run bench load-bench soak wheel models evaluate clean
+.PHONY: setup proto lint test run bench load-bench gpu-bench soak wheel models evaluate clean
 
 setup: $(INSTALLED) $(GENERATED)
 
@@ -48,6 +48,11 @@ bench: setup
 # Throughput and latency under 1 to 16 concurrent clients (bench/load.py).
 load-bench: setup
 	$(PY) -m bench --concurrency 1,2,4,8,16 --prompts 32 --max-new-tokens 64
+
+# On a GPU host, after installing the CUDA build of torch into $(VENV): random-weight 1B target and 100M
+# drafts built on the device, C = 1, 8, 32 (bench/gpu.py).
+gpu-bench: setup
+	$(PY) -m bench.gpu --concurrency 1,8,32
 
 # Many clients with cancellations and bad requests for MINUTES (default 10); a 60-second run is in make test.
 MINUTES ?= 10
