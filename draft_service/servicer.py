@@ -3,7 +3,7 @@ engine iteration, batched with every other drafting session)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -83,8 +83,8 @@ class DraftServicer(
         return self.lean or super().make_forward()
 
     def Draft(
-        self, request_iterator: Iterator[draft_pb2.DraftRequest], context: grpc.ServicerContext
-    ) -> Iterator[draft_pb2.DraftResponse]:
+        self, request_iterator: AsyncIterator[draft_pb2.DraftRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[draft_pb2.DraftResponse]:
         return self.serve_session(request_iterator, context)
 
     def tokens_fed_by(self, request: draft_pb2.DraftRequest) -> int:
@@ -125,5 +125,5 @@ class DraftServicer(
         return response
 
 
-def register(servicer: DraftServicer, server: grpc.Server) -> None:
+def register(servicer: DraftServicer, server: grpc.aio.Server) -> None:
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)

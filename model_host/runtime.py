@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Callable, Sequence
-from concurrent import futures
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import structlog
 import torch
-from grpc_health.v1 import health
+from grpc_health.v1.health import aio as health_aio
 
 from model_host.config import ModelServiceConfig, parse_model_service_config
 from model_host.loading import LoadedModel, load_model
@@ -23,33 +23,49 @@ from serving.security import server_credentials
 
 log = structlog.get_logger(__name__)
 
-# Threads beyond one per session, for GetModelInfo, health checks and reflection.
-_SPARE_WORKERS = 8
+# Calls beyond one per session, for GetModelInfo, health checks and reflection.
+_SPARE_CALLS = 8
+
+T = TypeVar("T")
+
+
+class _CannotServe(Exception):
+    """The server could not listen where it was told to."""
 
 
 @dataclass
 class ModelServer:
-    """A running model service: the gRPC server, its port and its servicer."""
+    """A running model service: the gRPC server (asyncio, on an event loop of its own thread), its port
+    and its servicer. Its methods may be called from any thread."""
 
-    server: grpc.Server
+    server: grpc.aio.Server
     port: int
     servicer: SessionServicer[Any, Any]
-    health: health.HealthServicer
-    health_server: grpc.Server | None = None  # the plaintext health-only port, when asked for
+    health: health_aio.HealthServicer
+    loop: asyncio.AbstractEventLoop
+    loop_thread: threading.Thread
+    health_server: grpc.aio.Server | None = None  # the plaintext health-only port, when asked for
     _stopped: threading.Event = field(default_factory=threading.Event)
+
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
     def drain(self, grace_s: float) -> None:
         """Health goes NOT_SERVING; open sessions get `grace_s` to finish, then are cancelled (the
         orchestrator reopens them elsewhere); then the server stops."""
-        self.health.enter_graceful_shutdown()
-        self.server.stop(grace_s).wait()
+        self._run(self.health.enter_graceful_shutdown())
+        self._run(self.server.stop(grace_s))
         self.stop()
 
     def stop(self) -> None:
-        self.server.stop(None).wait()
+        if self._stopped.is_set():
+            return
+        self._run(self.server.stop(None))
         if self.health_server is not None:
-            self.health_server.stop(None).wait()
+            self._run(self.health_server.stop(None))
         self.servicer.stop()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.loop_thread.join(timeout=10)
         self._stopped.set()
 
     def wait(self) -> None:
@@ -58,36 +74,48 @@ class ModelServer:
 
 def start_model_server(
     servicer: SessionServicer[Any, Any],
-    register: Callable[[Any, grpc.Server], None],
+    register: Callable[[Any, grpc.aio.Server], None],
     service_name: str,
     config: ModelServiceConfig,
     engine_thread: bool = True,
 ) -> ModelServer:
     """Serve `servicer` on config.host:config.port (port 0 picks one) with health and reflection.
 
-    The engine runs in a thread of its own unless `engine_thread` is False, in which case the caller
-    runs `servicer.engine.run()` (a service's main thread does)."""
-    workers = config.max_sessions + _SPARE_WORKERS
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=servicer.role),
-        interceptors=[ErrorInterceptor()],
-        options=serving.CHANNEL_OPTIONS,
-        maximum_concurrent_rpcs=workers,
-    )
-    register(servicer, server)
-    health_servicer = serving.add_standard_services(server, [service_name])
-    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-    port = serving.bind(server, config.host, config.port, credentials)
-    server.start()
+    The gRPC server runs on an asyncio event loop in a thread of its own: one thread receives and
+    answers every session's steps, instead of a worker thread per stream taking turns for the
+    interpreter. The engine runs in a thread of its own unless `engine_thread` is False, in which case
+    the caller runs `servicer.engine.run()` (a service's main thread does)."""
+    loop = asyncio.new_event_loop()
+    loop_thread = threading.Thread(target=loop.run_forever, name=f"{servicer.role}-grpc", daemon=True)
+    loop_thread.start()
+
+    async def serve() -> tuple[grpc.aio.Server, int, health_aio.HealthServicer, grpc.aio.Server | None]:
+        server = grpc.aio.server(
+            interceptors=[ErrorInterceptor()],
+            options=serving.CHANNEL_OPTIONS,
+            maximum_concurrent_rpcs=config.max_sessions + _SPARE_CALLS,
+        )
+        register(servicer, server)
+        health_servicer = await serving.add_standard_services(server, [service_name])
+        credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+        try:
+            port = serving.bind(server, config.host, config.port, credentials)
+        except SystemExit as exc:  # an exit raised inside the event loop would end the loop, not this call
+            raise _CannotServe(str(exc)) from None
+        await server.start()
+        health_server = await serving.start_health_port(health_servicer, config.host, config.health_port)
+        return server, port, health_servicer, health_server
+
+    try:
+        server, port, health_servicer, health_server = asyncio.run_coroutine_threadsafe(serve(), loop).result()
+    except BaseException as exc:
+        loop.call_soon_threadsafe(loop.stop)
+        if isinstance(exc, _CannotServe):
+            raise SystemExit(str(exc)) from None
+        raise
     if engine_thread:
         servicer.engine.start()
-    model_server = ModelServer(
-        server=server,
-        port=port,
-        servicer=servicer,
-        health=health_servicer,
-        health_server=serving.start_health_port(health_servicer, config.host, config.health_port),
-    )
+    model_server = ModelServer(server, port, servicer, health_servicer, loop, loop_thread, health_server)
     _start_expiry(model_server, config.session_idle_timeout_s)
     log.info("serving", service=service_name, host=config.host, port=port)
     return model_server
@@ -110,7 +138,7 @@ def run_model_service(
     prog: str,
     argv: Sequence[str] | None,
     make_servicer: Callable[[LoadedModel, ModelServiceConfig], SessionServicer[Any, Any]],
-    register: Callable[[Any, grpc.Server], None],
+    register: Callable[[Any, grpc.aio.Server], None],
     service_name: str,
 ) -> None:
     """The `python -m draft_service` / `python -m target_service` entry point."""

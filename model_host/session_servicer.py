@@ -9,11 +9,11 @@ reads (`respond`).
 from __future__ import annotations
 
 import abc
+import asyncio
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
-from concurrent.futures import CancelledError
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -28,7 +28,7 @@ from model_host.loading import LoadedModel
 from model_host.metrics import CACHED_TOKENS, FED_TOKENS, FORWARD_SECONDS, OPEN_SESSIONS, STEPS
 from model_host.profile import forward_costs, overhead_tokens
 from model_host.sessions import Session, SessionStore
-from serving.errors import invalid_argument
+from serving.errors import ServiceError, invalid_argument
 from serving.protocol import REQUEST_ID_METADATA
 from specdec.v1 import common_pb2
 
@@ -50,7 +50,7 @@ RequestT = TypeVar("RequestT", bound=StepRequest)
 ResponseT = TypeVar("ResponseT")
 
 
-def request_id_from(context: grpc.ServicerContext) -> str:
+def request_id_from(context: grpc.aio.ServicerContext) -> str:
     for key, value in context.invocation_metadata() or ():
         if key == REQUEST_ID_METADATA:
             return str(value)
@@ -73,11 +73,18 @@ class SlotLease:
 
 @dataclass(eq=False)
 class _Stream:
-    """An open session stream, for idle closing."""
+    """An open session stream, for idle closing: its handler's task, on the server's event loop."""
 
-    context: grpc.ServicerContext
+    task: asyncio.Task[object]
+    loop: asyncio.AbstractEventLoop
     last_active: float
     job: Job | None = None  # the step in the engine now
+    idle_closed: bool = False
+
+    def close_idle(self) -> None:
+        """Called from another thread: end the stream (its handler answers CANCELLED)."""
+        self.idle_closed = True
+        self.loop.call_soon_threadsafe(self.task.cancel)
 
 
 class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
@@ -142,8 +149,8 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         """A slot for a new or reopened session."""
         return SlotLease(self.engine.slots.lease(), self.engine)
 
-    def GetModelInfo(
-        self, request: common_pb2.GetModelInfoRequest, context: grpc.ServicerContext
+    async def GetModelInfo(
+        self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.ModelInfo:
         return self.model_info()
 
@@ -184,25 +191,22 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             )
         self.check_step(request)
 
-    def serve_session(self, requests: Iterator[RequestT], context: grpc.ServicerContext) -> Iterator[ResponseT]:
+    async def serve_session(
+        self, requests: AsyncIterator[RequestT], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ResponseT]:
         """One stream, one session, opened by its first message; the session's cache is freed when the
-        stream ends, however it ends."""
-        stream = _Stream(context, time.monotonic())
+        stream ends, however it ends (a client that goes away cancels this handler's task, and with it
+        a step still queued in the engine)."""
+        task = asyncio.current_task()
+        assert task is not None
+        stream = _Stream(task, asyncio.get_running_loop(), time.monotonic())
         with self._streams_lock:
             self._streams[id(stream)] = stream
         session: Session | None = None
         steps = misses = 0
-
-        def on_end() -> None:
-            if stream.job is not None:
-                stream.job.future.cancel()  # still queued: it never runs
-            if session is not None:
-                self._close(session)
-
-        context.add_callback(on_end)
         bound = structlog.contextvars.bind_contextvars(request_id=request_id_from(context))
         try:
-            for request in requests:
+            async for request in requests:
                 steps += 1
                 started = time.perf_counter()
                 stream.last_active = time.monotonic()
@@ -217,12 +221,18 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
                     log.info("cache_miss", keep=request.keep, held=session.length)
                     yield self.cache_miss()
                     continue
-                response = self._step(session, stream, request)
+                response = await self._step(session, stream, request)
                 response.timing.service_seconds = time.perf_counter() - started  # type: ignore[attr-defined]
                 stream.last_active = time.monotonic()
                 yield response
-        except CancelledError:
-            pass  # the client went away while its step waited
+        except asyncio.CancelledError:
+            if not stream.idle_closed:
+                raise  # the client went away
+            raise ServiceError(
+                grpc.StatusCode.CANCELLED,
+                f"the stream sent nothing for {self.config.session_idle_timeout_s:g} s "
+                "(--session-idle-timeout-s); its session was closed",
+            ) from None
         finally:
             with self._streams_lock:
                 self._streams.pop(id(stream), None)
@@ -232,12 +242,13 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             structlog.contextvars.reset_contextvars(**bound)
             structlog.contextvars.unbind_contextvars("session")
 
-    def _step(self, session: Session, stream: _Stream, request: RequestT) -> ResponseT:
+    async def _step(self, session: Session, stream: _Stream, request: RequestT) -> ResponseT:
         assert session.cache is not None
         try:
             self.store.reserve(session, self.tokens_fed_by(request))
             stream.job = self.make_job(session.cache.slot, request)
-            job = self.engine.submit(stream.job).result()
+            # Cancelling this await (the client went away) cancels the job: the engine drops it.
+            job = await asyncio.wrap_future(self.engine.submit(stream.job))
         except BaseException:
             self.store.step_failed(session)
             raise
@@ -258,12 +269,12 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
 
     def close_idle_streams(self, idle_timeout_s: float) -> int:
         """Cancel streams that sent nothing for `idle_timeout_s` and have no step under way: a silent
-        client must not hold a session, a worker thread or capacity forever. Returns how many."""
+        client must not hold a session or capacity forever. Returns how many."""
         deadline = time.monotonic() - idle_timeout_s
         with self._streams_lock:
             idle = [s for s in self._streams.values() if s.job is None and s.last_active < deadline]
         for stream in idle:
-            stream.context.cancel()
+            stream.close_idle()
         return len(idle)
 
     def stop(self) -> None:

@@ -13,7 +13,7 @@ from grpc_health.v1.health import aio as health_aio
 from orchestrator.config import OrchestratorConfig
 from orchestrator.servicer import SERVICE_NAME, OrchestratorServicer
 from serving import server as serving
-from serving.errors import AsyncErrorInterceptor
+from serving.errors import ErrorInterceptor
 from serving.security import ApiKeys, AsyncApiKeyInterceptor, server_credentials
 from specdec.v1 import orchestrator_pb2_grpc
 
@@ -50,7 +50,7 @@ async def start_orchestrator(config: OrchestratorConfig) -> RunningOrchestrator:
     if api_keys is None:
         log.warning("no_api_keys", detail="no --api-key-file: any client may call Generate")
     servicer = await OrchestratorServicer.connect(config)
-    interceptors: list[grpc.aio.ServerInterceptor] = [AsyncErrorInterceptor()]
+    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor()]
     if api_keys is not None:
         interceptors.insert(0, AsyncApiKeyInterceptor(api_keys))
     # A request holds at most a prompt the context can take: bound what the public port accepts by it.
@@ -58,10 +58,10 @@ async def start_orchestrator(config: OrchestratorConfig) -> RunningOrchestrator:
     options = [("grpc.max_receive_message_length", max_request), ("grpc.max_send_message_length", max_request)]
     server = grpc.aio.server(interceptors=interceptors, options=options)
     orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, server)
-    health = await serving.add_standard_services_async(server, [SERVICE_NAME])
+    health = await serving.add_standard_services(server, [SERVICE_NAME])
     port = serving.bind(server, config.host, config.port, credentials)
     await server.start()
-    health_server = await serving.start_health_port_async(health, config.host, config.health_port)
+    health_server = await serving.start_health_port(health, config.host, config.health_port)
     log.info(
         "serving",
         service=SERVICE_NAME,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -52,67 +52,9 @@ def _status_of(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{HANDLER_INTERNAL_PREFIX}{method}: {type(exc).__name__}: {exc}"
 
 
-class ErrorInterceptor(grpc.ServerInterceptor):
-    """Synchronous servers: any exception from a handler becomes a status; the server keeps serving."""
-
-    def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler], details: grpc.HandlerCallDetails
-    ) -> grpc.RpcMethodHandler:
-        handler = continuation(details)
-        if handler is None:
-            return handler
-        method = details.method
-
-        def unary(behaviour: Callable[..., Any]) -> Callable[..., Any]:
-            def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
-                started, code = time.perf_counter(), grpc.StatusCode.OK
-                try:
-                    return behaviour(request, context)
-                except Exception as exc:  # noqa: BLE001 - this is the one place that catches all
-                    code, message = _status_of(exc, method)
-                    context.abort(code, message)
-                finally:
-                    RPC_LATENCY.labels(method, code.name).observe(time.perf_counter() - started)
-
-            return wrapped
-
-        def streaming(behaviour: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
-            def wrapped(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                started, code = time.perf_counter(), grpc.StatusCode.OK
-                try:
-                    yield from behaviour(request, context)
-                except grpc.RpcError:
-                    code = grpc.StatusCode.CANCELLED
-                    if context.is_active():
-                        raise
-                    # The client cancelled or went away: reading its stream raised; nothing to report.
-                except Exception as exc:  # noqa: BLE001
-                    code, message = _status_of(exc, method)
-                    context.abort(code, message)
-                finally:
-                    RPC_LATENCY.labels(method, code.name).observe(time.perf_counter() - started)
-
-            return wrapped
-
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer
-            )
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer
-            )
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                streaming(handler.unary_stream), handler.request_deserializer, handler.response_serializer
-            )
-        return grpc.stream_stream_rpc_method_handler(
-            streaming(handler.stream_stream), handler.request_deserializer, handler.response_serializer
-        )
-
-
-class AsyncErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Asyncio servers: the same contract as ErrorInterceptor."""
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Any exception from a handler becomes a status (ServiceError carries its own; anything else is
+    INTERNAL, logged); the server keeps serving."""
 
     async def intercept_service(
         self,
@@ -139,23 +81,38 @@ class AsyncErrorInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
         if handler.unary_stream:
-            stream_behaviour = handler.unary_stream
-
-            async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                started, code = time.perf_counter(), grpc.StatusCode.OK
-                try:
-                    async for item in stream_behaviour(request, context):
-                        yield item
-                except asyncio.CancelledError:
-                    code = grpc.StatusCode.CANCELLED
-                    raise
-                except Exception as exc:  # noqa: BLE001
-                    code, message = _status_of(exc, method)
-                    await context.abort(code, message)
-                finally:
-                    RPC_LATENCY.labels(method, code.name).observe(time.perf_counter() - started)
-
             return grpc.unary_stream_rpc_method_handler(
-                streaming, handler.request_deserializer, handler.response_serializer
+                _async_streaming(handler.unary_stream, method),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(
+                _async_streaming(handler.stream_stream, method),
+                handler.request_deserializer,
+                handler.response_serializer,
             )
         return handler
+
+
+def _async_streaming(
+    behaviour: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]], method: str
+) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
+    """A response-streaming handler (its request a message or a stream) whose exceptions become
+    statuses; a cancelled call (the client went away) is only counted."""
+
+    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        started, code = time.perf_counter(), grpc.StatusCode.OK
+        try:
+            async for item in behaviour(request, context):
+                yield item
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:  # noqa: BLE001
+            code, message = _status_of(exc, method)
+            await context.abort(code, message)
+        finally:
+            RPC_LATENCY.labels(method, code.name).observe(time.perf_counter() - started)
+
+    return streaming

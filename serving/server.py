@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import threading
 from collections.abc import Callable, Sequence
-from concurrent import futures
 from types import FrameType
 
 import grpc
@@ -29,20 +28,8 @@ def _reflected_names(service_names: Sequence[str]) -> list[str]:
     return [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
 
 
-def add_standard_services(server: grpc.Server, service_names: Sequence[str]) -> health.HealthServicer:
+async def add_standard_services(server: grpc.aio.Server, service_names: Sequence[str]) -> health_aio.HealthServicer:
     """Standard health checking (SERVING for each service and for "") and server reflection."""
-    servicer = health.HealthServicer(experimental_non_blocking=True)
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    reflection.enable_server_reflection(_reflected_names(service_names), server)
-    for name in ["", *service_names]:
-        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return servicer
-
-
-async def add_standard_services_async(
-    server: grpc.aio.Server, service_names: Sequence[str]
-) -> health_aio.HealthServicer:
-    """The asyncio twin of add_standard_services."""
     servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     reflection.enable_server_reflection(_reflected_names(service_names), server)
@@ -66,22 +53,9 @@ def bind(
     return bound
 
 
-def start_health_port(health_servicer: health.HealthServicer, host: str, port: int) -> grpc.Server | None:
+async def start_health_port(health_servicer: health_aio.HealthServicer, host: str, port: int) -> grpc.aio.Server | None:
     """A plaintext port serving standard health checks only (0: none), for probes that cannot speak TLS
     (Kubernetes' native gRPC probes); it shares the main server's health status."""
-    if not port:
-        return None
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bind(server, host, port)
-    server.start()
-    return server
-
-
-async def start_health_port_async(
-    health_servicer: health_aio.HealthServicer, host: str, port: int
-) -> grpc.aio.Server | None:
-    """The asyncio twin of start_health_port."""
     if not port:
         return None
     server = grpc.aio.server()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -37,8 +37,8 @@ class TargetServicer(
     response_type = target_pb2.VerifyResponse
 
     def Verify(
-        self, request_iterator: Iterator[target_pb2.VerifyRequest], context: grpc.ServicerContext
-    ) -> Iterator[target_pb2.VerifyResponse]:
+        self, request_iterator: AsyncIterator[target_pb2.VerifyRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[target_pb2.VerifyResponse]:
         return self.serve_session(request_iterator, context)
 
     def check_step(self, request: target_pb2.VerifyRequest) -> None:
@@ -66,5 +66,5 @@ class TargetServicer(
         return response
 
 
-def register(servicer: TargetServicer, server: grpc.Server) -> None:
+def register(servicer: TargetServicer, server: grpc.aio.Server) -> None:
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import grpc
@@ -271,7 +272,12 @@ def test_drain_stops_accepting_lets_open_sessions_finish_then_stops(close_draft_
         first = session.step(draft_pb2.DraftRequest(keep=0, append_token_ids=[1, 2], num_speculative_tokens=2))
         drain = threading.Thread(target=server.drain, args=(5.0,))
         drain.start()
-        assert wait_until(lambda: server.health.Check(health_pb2.HealthCheckRequest(), None).status == 2)  # NOT_SERVING
+
+        def health_status() -> int:
+            check = server.health.Check(health_pb2.HealthCheckRequest(), None)
+            return asyncio.run_coroutine_threadsafe(check, server.loop).result().status
+
+        assert wait_until(lambda: health_status() == 2)  # NOT_SERVING
         # The open session keeps being served during the grace period ...
         second = session.step(
             draft_pb2.DraftRequest(keep=first.cached_tokens, append_token_ids=[3], num_speculative_tokens=2)
