@@ -227,9 +227,10 @@ def test_the_gate_measures_whether_speculating_pays_at_each_load():
     modes = [epoch(8) for _ in range(13)]
     assert modes[:2] == [True, False]  # both measured first
     assert modes[2:].count(True) == 3 and modes[-1] is False  # then K = 0, speculation tried 1 epoch in 4
-    # At a higher load not yet measured, K = 0 is kept from the start; speculation waits for exploration.
-    assert [epoch(16) for _ in range(4)] == [False, False, False, False]
-    assert epoch(16) is True  # the exploration epoch
+    # At a higher load not yet measured, K = 0 is kept from the start; speculation waits for exploration
+    # (the first epoch at 16, begun at 8, is chosen again for 16 at its first round: a load rising).
+    assert [epoch(16) for _ in range(3)] == [False, False, False]
+    assert epoch(16) is True  # the exploration epoch, the 4th begun at this level
     # At another load level the measurements are its own: there speculation pays, and stays on.
     rate.update({True: 120, False: 80})
     levels = [epoch(2) for _ in range(8)]
@@ -304,6 +305,32 @@ def test_the_first_rounds_of_a_burst_run_in_the_mode_of_its_load():
     assert policy.next_k() == 0
     load.running = 1
     assert policy.next_k() > 0  # a fourfold fall in load within the epoch: alone, it speculates
+
+
+def test_a_burst_still_arriving_gets_the_mode_measured_for_its_load():
+    """Clients arriving together reach the gate as 1, then 4, then 8 running requests within a few
+    milliseconds: the epoch is chosen again as the load rises early in it, so that it runs in the mode
+    measured at 8, not the one chosen at 4 (where nothing was measured). Later in an epoch, a rise of
+    one level (7 to 8 running as requests end and start) keeps the epoch."""
+    from orchestrator.costs import SpeculationGate
+
+    now = [0.0]
+    gate = SpeculationGate(epoch_s=1.0, explore_every=100, clock=lambda: now[0])
+    gate._rates.observe(4, False, 60.0)  # at 8 running, K = 0 measured faster
+    gate._rates.observe(4, True, 50.0)
+    now[0] = 10.0
+    assert gate.speculating(1) is True  # alone
+    assert gate.speculating(4) is True  # a fourfold rise: level 3, nothing measured there
+    now[0] += 0.005
+    assert gate.speculating(8) is False  # still arriving: chosen again for 8
+    gate.record(1, 8)
+    now[0] += 0.5
+    assert gate.speculating(7) is False  # a fall of one level keeps the epoch
+    now[0] += 60.0  # a pause; a new epoch chosen at 7 running (level 3, unmeasured: speculating)
+    assert gate.speculating(7) is True
+    gate.record(1, 7)
+    now[0] += 0.5
+    assert gate.speculating(8) is True  # a rise of one level late in the epoch keeps it
 
 
 def test_the_hybrid_asks_the_draft_on_lookup_misses_only_where_that_pays():
