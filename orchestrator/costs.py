@@ -121,8 +121,10 @@ class SpeculationGate:
     (running requests averaged over the epoch's rounds, by powers of two). Once both are known at a
     level it keeps the faster (speculation only when faster by `margin`), trying the other one epoch in
     `explore_every`. A pause longer than an epoch (no load-aware round at all) starts a new epoch rather
-    than counting as a slow one. At a load level not yet measured, where speculation already lost at a
-    lower load, it starts at K = 0 and measures speculation only in an exploration epoch.
+    than counting as a slow one, as does a change of load by two levels (a fall only once it has
+    lasted `dip_s`) or a rise by one early in the epoch (`_stale`). At a load level not yet measured,
+    where speculation already lost at a lower load, it starts at K = 0 and measures speculation only in
+    an exploration epoch.
 
     A request running alone is never held: the gate's question is what its draft forwards cost the
     others, and with no others its own round times, which its policy prices per round, say it all. Its
@@ -137,6 +139,7 @@ class SpeculationGate:
         margin: float = 1.1,
         settle_fraction: float = 0.3,
         ramp_fraction: float = 0.1,
+        dip_s: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.epoch_s = epoch_s
@@ -152,6 +155,8 @@ class SpeculationGate:
         # alone (runs that stayed at K = 0: 0.95x).
         self.settle_fraction = settle_fraction
         self.ramp_fraction = ramp_fraction
+        self.dip_s = dip_s
+        self._fell_at: float | None = None  # when the load fell fourfold below the epoch's, if it has
         # Speculation must measure this much faster to be kept: epochs are noisy (one that holds the
         # start of a burst of prefills looks slow), and a wrong K = 0 is never slower than the target
         # alone, which a wrong K > 0 can be.
@@ -215,13 +220,22 @@ class SpeculationGate:
         if self._started is None or now - self._last > self.epoch_s:
             return True
         change = running.bit_length() - self._level
-        return abs(change) >= 2 or (change >= 1 and now - self._started < self.ramp_fraction * self.epoch_s)
+        if change <= -2:
+            # A fall counts once it has lasted `dip_s`: requests that end together dip the load to 1
+            # for the few milliseconds before the next ones arrive, and restarting there chose
+            # "alone, speculate" for those next requests' first rounds (each drafting its prompt),
+            # then K = 0 again a moment later (debug log, 4 streams: every wave of requests).
+            self._fell_at = now if self._fell_at is None else self._fell_at
+            return now - self._fell_at >= self.dip_s
+        self._fell_at = None
+        return change >= 2 or (change >= 1 and now - self._started < self.ramp_fraction * self.epoch_s)
 
     def _start_epoch(self, now: float, running: int) -> None:
         """Begin an epoch in the mode chosen for the load level now (its measurement starts later after
         a switch to K = 0: `settle_fraction`)."""
         previous = self.speculate if self._started is not None else None
         self._started, self._last, self._tokens, self._running, self._rounds = now, now, 0, 0, 0
+        self._fell_at = None
         level = self._level = running.bit_length()
         plain, speculating = self._rates.get(level)
         choices = self._choices[level] = self._choices.get(level, 0) + 1

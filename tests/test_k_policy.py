@@ -304,7 +304,9 @@ def test_the_first_rounds_of_a_burst_run_in_the_mode_of_its_load():
     load.running = 16
     assert policy.next_k() == 0
     load.running = 1
-    assert policy.next_k() > 0  # a fourfold fall in load within the epoch: alone, it speculates
+    assert policy.next_k() == 0  # a fourfold fall: a dip between requests until it lasts ...
+    now[0] += 0.06
+    assert policy.next_k() > 0  # ... then alone, it speculates
 
 
 def test_a_burst_still_arriving_gets_the_mode_measured_for_its_load():
@@ -326,6 +328,10 @@ def test_a_burst_still_arriving_gets_the_mode_measured_for_its_load():
     gate.record(1, 8)
     now[0] += 0.5
     assert gate.speculating(7) is False  # a fall of one level keeps the epoch
+    now[0] += 0.005
+    assert gate.speculating(1) is False  # the requests ended together: a dip, not a request alone
+    now[0] += 0.005
+    assert gate.speculating(8) is False  # the next ones arrived
     now[0] += 60.0  # a pause; a new epoch chosen at 7 running (level 3, unmeasured: speculating)
     assert gate.speculating(7) is True
     gate.record(1, 7)
