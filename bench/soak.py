@@ -17,6 +17,7 @@ import asyncio
 import json
 import random
 import re
+import statistics
 import sys
 import time
 import urllib.request
@@ -53,7 +54,9 @@ class SoakReport:
     served: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     unexpected: list[str] = field(default_factory=list)
-    rss_growth: dict[str, float] = field(default_factory=dict)  # per process, after warm-up
+    rss_growth: dict[str, float] = field(default_factory=dict)  # per process: the highest sample after warm-up
+    # over the first one (allocator swings count as growth here)
+    rss_trend: dict[str, float] = field(default_factory=dict)  # median of the last fifth over the first fifth
     rss_mb: dict[str, list[float]] = field(default_factory=dict)
     sessions_at_end: dict[str, float] = field(default_factory=dict)
     cached_tokens_at_end: dict[str, float] = field(default_factory=dict)
@@ -211,6 +214,8 @@ def run_soak(
         after = [mb for t, mb in points if t >= warm_up_share * seconds]
         if after:
             report.rss_growth[name] = max(after) / after[0] - 1.0
+            fifth = max(1, len(after) // 5)
+            report.rss_trend[name] = statistics.median(after[-fifth:]) / statistics.median(after[:fifth]) - 1.0
         report.rss_mb[name] = [round(mb, 1) for _, mb in points[:: max(1, len(points) // 20)]]
     _check_greedy(target, greedy, report)
     return report
@@ -234,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     growth = ", ".join(f"{name} {100 * g:+.1f}%" for name, g in report.rss_growth.items())
     print(f"served {report.served} requests in {report.seconds:.0f} s with {report.clients} clients")
     print(f"errors by status: {errors}; unexpected: {len(report.unexpected)} {report.unexpected[:3]}")
-    print(f"RSS growth after warm-up: {growth} (goal under +10%)")
+    trend = ", ".join(f"{name} {100 * g:+.1f}%" for name, g in report.rss_trend.items())
+    print(f"RSS growth after warm-up: {growth} (goal under +10%); trend (last fifth over first): {trend}")
     print(f"sessions at the end: {report.sessions_at_end}; cached tokens: {report.cached_tokens_at_end}")
     print(f"greedy outputs checked: {report.greedy_checked}; near ties: {report.greedy_near_ties}; "
           f"mismatches: {report.greedy_mismatches}")  # fmt: skip
