@@ -204,7 +204,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             self._streams[id(stream)] = stream
         session: Session | None = None
         steps = misses = 0
-        bound = structlog.contextvars.bind_contextvars(request_id=request_id_from(context))
+        structlog.contextvars.bind_contextvars(request_id=request_id_from(context))
         try:
             async for request in requests:
                 steps += 1
@@ -239,8 +239,9 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             if session is not None:
                 log.info("session_closed", steps=steps, cache_misses=misses, cached_tokens=session.length)
                 self._close(session)
-            structlog.contextvars.reset_contextvars(**bound)
-            structlog.contextvars.unbind_contextvars("session")
+            # By name, not by the binding's tokens: a stream the server drops while its handler waits at
+            # a `yield` is closed by the event loop in another task, whose context holds no such tokens.
+            structlog.contextvars.unbind_contextvars("request_id", "session")
 
     async def _step(self, session: Session, stream: _Stream, request: RequestT) -> ResponseT:
         assert session.cache is not None
