@@ -239,6 +239,7 @@ def test_idle_stream_is_closed_and_frees_its_session(target_model):
             with pytest.raises(grpc.RpcError) as error:
                 session.step(target_pb2.VerifyRequest(keep=2, append_token_ids=[3], num_rows=1))
             assert error.value.code() == grpc.StatusCode.CANCELLED
+            assert "--session-idle-timeout-s" in (error.value.details() or "")
             silent = RawSession(target_pb2_grpc.TargetServiceStub(channel).Verify)  # never sends a step
             assert wait_until(lambda: len(server.servicer._streams) == 1, timeout_s=5)
             assert wait_until(lambda: not server.servicer._streams, timeout_s=5)
