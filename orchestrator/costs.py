@@ -13,6 +13,7 @@ import bisect
 import time
 from collections.abc import Callable, Iterable
 
+from orchestrator.metrics import GATE_EPOCHS, GATE_SPECULATING
 from specdec.v1 import common_pb2
 
 _DECAY = 0.9  # weight of the past in every running estimate
@@ -253,6 +254,8 @@ class SpeculationGate:
         else:
             best = self._pays(plain, speculating)
             self.speculate = (not best) if explore else best
+        GATE_SPECULATING.set(int(self.speculate))
+        GATE_EPOCHS.labels("speculating" if self.speculate else "k0").inc()
         to_plain = previous is True and not self.speculate
         self._measured_from = now + self.settle_fraction * self.epoch_s if to_plain else now
 

@@ -309,6 +309,23 @@ def test_the_first_rounds_of_a_burst_run_in_the_mode_of_its_load():
     assert policy.next_k() > 0  # ... then alone, it speculates
 
 
+def test_the_gates_mode_is_a_metric():
+    from prometheus_client import REGISTRY
+
+    load = _load([(1, 0.020), (256, 0.021)], [(1, 0.0001)], batch_size=1)
+
+    def epochs(mode: str) -> float:
+        return REGISTRY.get_sample_value("specdec:speculation_gate_epochs_total", {"mode": mode}) or 0.0
+
+    before = epochs("k0")
+    now = _close_the_gate(load)
+    assert REGISTRY.get_sample_value("specdec:speculation_gate_open") == 0.0
+    assert epochs("k0") > before
+    now[0] += 60.0
+    load.gate.speculating(1)  # alone after a pause
+    assert REGISTRY.get_sample_value("specdec:speculation_gate_open") == 1.0
+
+
 def test_a_burst_still_arriving_gets_the_mode_measured_for_its_load():
     """Clients arriving together reach the gate as 1, then 4, then 8 running requests within a few
     milliseconds: the epoch is chosen again as the load rises early in it, so that it runs in the mode
