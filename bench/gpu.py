@@ -29,20 +29,27 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import grpc
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from bench.load import LOAD_CONFIGS, LoadConfig, LoadSample, load_table, run_hf, run_services, summarise_load
+from bench.load import (
+    LOAD_CONFIGS,
+    LoadConfig,
+    LoadSample,
+    differing_outputs,
+    load_table,
+    run_hf,
+    run_services,
+    summarise_load,
+)
 from default_models.prompts import held_out_prompts
 from specdec.v1 import common_pb2, target_pb2_grpc
 from tools.local_stack import LocalStack
@@ -57,6 +64,8 @@ CLOSE_CONFIGS = [
 UNRELATED = LoadConfig("specdec load-aware, unrelated draft", "services", None, "load_aware")
 HF_BATCH = LoadConfig("HF generate(), padded batch", "hf_batch")
 SECOND_BASELINE = f"{TARGET_ALONE.name}, unrelated draft's stack"
+# The unrelated draft is compared with the target alone in its own stack.
+BASELINES = {UNRELATED.name: SECOND_BASELINE, SECOND_BASELINE: SECOND_BASELINE}
 
 
 @dataclass(frozen=True)
@@ -93,12 +102,21 @@ def _config(
     )
 
 
+@dataclass(frozen=True)
+class Models:
+    """The benchmark's three models (module docstring)."""
+
+    target: LlamaForCausalLM
+    close: LlamaForCausalLM
+    unrelated: LlamaForCausalLM
+
+
 @torch.inference_mode()
 def build_models(
     shapes: Shapes, vocab_size: int, late_scale: float, device: str, dtype: torch.dtype, seed: int = 0
-) -> tuple[LlamaForCausalLM, LlamaForCausalLM, LlamaForCausalLM]:
-    """(target, close draft, unrelated draft), initialised on `device` from `seed` (the global
-    generator is left as it was)."""
+) -> Models:
+    """The target and both drafts, initialised on `device` from `seed` (the global generator is left as
+    it was)."""
     target_config = _config(
         vocab_size, shapes.hidden, shapes.layers, shapes.intermediate, shapes.heads, shapes.kv_heads
     )
@@ -125,7 +143,7 @@ def build_models(
         layer.self_attn.o_proj.weight.mul_(late_scale)
         layer.mlp.down_proj.weight.mul_(late_scale)
     close.load_state_dict({k: v for k, v in target.state_dict().items() if k in close.state_dict()})
-    return target.eval(), close.eval(), unrelated.eval()
+    return Models(target.eval(), close.eval(), unrelated.eval())
 
 
 def parameters(model: torch.nn.Module) -> int:
@@ -154,6 +172,11 @@ def target_costs(address: str) -> list[tuple[int, float]]:
     return [(c.batch_tokens, c.seconds) for c in info.forward_costs]
 
 
+def requests_at(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+    """Two requests per client (at least 8 in all): short runs, for a device lent for minutes."""
+    return [prompts[i % len(prompts)] for i in range(max(2 * concurrency, 8))]
+
+
 def run_stack(
     stack: LocalStack, configs: list[LoadConfig], prompts: list[list[int]], concurrencies: list[int], reps: int,
     max_new_tokens: int,
@@ -163,7 +186,7 @@ def run_stack(
     samples = []
     for rep in range(-1, reps):
         for concurrency in concurrencies[:1] if rep < 0 else concurrencies:
-            requests = [prompts[i % len(prompts)] for i in range(max(2 * concurrency, 8))]
+            requests = requests_at(prompts, concurrency)
             for index in range(len(configs)):
                 config = configs[(index + max(rep, 0)) % len(configs)]
                 sample = asyncio.run(
@@ -198,17 +221,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_PAIR / "target")
     prompts = [list(tokenizer(text)["input_ids"]) for text in held_out_prompts(max(8, 2 * max(concurrencies)))]
     started = time.perf_counter()
-    target, close, unrelated = build_models(shapes, len(tokenizer), args.late_scale, args.device, dtype)
-    agreement = greedy_agreement(target, close, prompts[:8])
-    sizes = {name: parameters(m) for name, m in (("target", target), ("close", close), ("unrelated", unrelated))}
+    models = build_models(shapes, len(tokenizer), args.late_scale, args.device, dtype)
+    agreement = greedy_agreement(models.target, models.close, prompts[:8])
+    by_name = {field.name: getattr(models, field.name) for field in fields(models)}
+    sizes = {name: parameters(model) for name, model in by_name.items()}
     folder = Path(tempfile.mkdtemp(prefix="specdec-gpu-bench-"))
     try:
         paths = {}
-        for name, model in (("target", target), ("close", close), ("unrelated", unrelated)):
+        for name, model in by_name.items():
             paths[name] = str(folder / name)
             model.save_pretrained(paths[name])
             tokenizer.save_pretrained(paths[name])
-        del target, close, unrelated, model
+        del models, by_name, model  # the services load their own copies
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
         print(
@@ -235,17 +259,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         hf_target = load_model(paths["target"], args.device, dtype_name)  # the weights the services ran
         for rep in range(args.reps):
             for concurrency in concurrencies:
-                requests = [prompts[i % len(prompts)] for i in range(max(2 * concurrency, 8))]
+                requests = requests_at(prompts, concurrency)
                 samples.append(run_hf(hf_target, HF_BATCH, requests, concurrency, rep, args.max_new_tokens))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
-    rows = summarise_load(samples, concurrencies)
-    for row in rows:
-        if row["config"] == UNRELATED.name:
-            row["x_target_alone"] = _ratio(samples, UNRELATED.name, SECOND_BASELINE, int(row["concurrency"]))
-        elif row["config"] == SECOND_BASELINE:
-            row["x_target_alone"] = 1.0
+    rows = summarise_load(samples, concurrencies, BASELINES)
     print(
         "\ntarget forward cost (GetModelInfo.forward_costs):\n| batch tokens | ms | ms per token |\n| --- | --- | --- |"
     )
@@ -253,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"| {tokens} | {1000 * seconds:.2f} | {1000 * seconds / tokens:.3f} |")
     print()
     print(load_table(rows))
-    differing = differing_outputs(samples)
+    differing = differing_outputs(samples, BASELINES)
     print(
         f"greedy outputs that differ from the target alone's in the same stack: {differing} "
         "(in bfloat16 a batched forward can round a near tie the other way; see the README's per-dtype contract)"
@@ -286,30 +305,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(f"results: {path}")
     return 0
-
-
-def _ratio(samples: list[LoadSample], name: str, base: str, concurrency: int) -> float:
-    """The median over repetitions of `name`'s throughput over `base`'s in the same repetition."""
-    by_rep = {s.rep: s for s in samples if s.config == base and s.concurrency == concurrency}
-    ratios = [
-        s.tokens_per_second / by_rep[s.rep].tokens_per_second
-        for s in samples
-        if s.config == name and s.concurrency == concurrency and s.rep in by_rep
-    ]
-    return statistics.median(ratios) if ratios else 0.0
-
-
-def differing_outputs(samples: list[LoadSample]) -> int:
-    """Requests whose greedy output differs from the target alone's in the same stack, concurrency and
-    repetition (every run sends the same requests)."""
-    groups = {TARGET_ALONE.name: [c.name for c in CLOSE_CONFIGS[1:]], SECOND_BASELINE: [UNRELATED.name]}
-    differing = 0
-    for base, names in groups.items():
-        reference = {(s.concurrency, s.rep): Counter(map(tuple, s.token_ids)) for s in samples if s.config == base}
-        for s in samples:
-            if s.config in names and (ref := reference.get((s.concurrency, s.rep))) is not None:
-                differing += sum((ref - Counter(map(tuple, s.token_ids))).values())
-    return differing
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import os
 import statistics
 import time
 from argparse import Namespace
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -150,9 +151,16 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def summarise_load(samples: list[LoadSample], concurrencies: list[int]) -> list[dict[str, float | str | int]]:
-    """One row per (concurrency, configuration): medians over repetitions, and the ratio to the target
-    alone through the services taken within each repetition."""
+def baseline_of(name: str, baselines: dict[str, str] | None = None) -> str:
+    """The configuration `name` is compared with: its entry in `baselines`, else the target alone."""
+    return (baselines or {}).get(name, LOAD_CONFIGS[0].name)
+
+
+def summarise_load(
+    samples: list[LoadSample], concurrencies: list[int], baselines: dict[str, str] | None = None
+) -> list[dict[str, float | str | int]]:
+    """One row per (concurrency, configuration): medians over repetitions, and the ratio to its
+    baseline (`baseline_of`) taken within each repetition."""
     rows: list[dict[str, float | str | int]] = []
     by_key = {(s.config, s.concurrency, s.rep): s for s in samples}
     names = list(dict.fromkeys(s.config for s in samples))
@@ -164,7 +172,7 @@ def summarise_load(samples: list[LoadSample], concurrencies: list[int]) -> list[
             ratios = [
                 s.tokens_per_second / base.tokens_per_second
                 for s in runs
-                if (base := by_key.get((LOAD_CONFIGS[0].name, concurrency, s.rep)))
+                if (base := by_key.get((baseline_of(name, baselines), concurrency, s.rep)))
             ]
             ttft = [t for s in runs for t in s.ttft]
             itl = [t for s in runs for t in s.itl]
@@ -288,12 +296,19 @@ def run_load(args: Namespace, prompts_text: list[str]) -> int:
     return 0
 
 
-def check_greedy_identity(samples: list[LoadSample]) -> None:
-    """Every configuration through the services produced the target alone's tokens (greedy)."""
-    reference = {(s.concurrency, s.rep): s.token_ids for s in samples if s.config == LOAD_CONFIGS[0].name}
+def differing_outputs(samples: list[LoadSample], baselines: dict[str, str] | None = None) -> int:
+    """Greedy requests through the services whose output differs from their baseline's (`baseline_of`)
+    in the same concurrency and repetition: every run sends the same requests, in any order."""
+    outputs = {(s.config, s.concurrency, s.rep): Counter(map(tuple, s.token_ids)) for s in samples}
     differing = 0
     for s in samples:
-        base = reference.get((s.concurrency, s.rep))
-        if s.token_ids and base and sorted(map(tuple, s.token_ids)) != sorted(map(tuple, base)):
-            differing += 1
-    print(f"greedy outputs identical to the target alone: {'yes' if not differing else f'NO ({differing} runs)'}")
+        base = outputs.get((baseline_of(s.config, baselines), s.concurrency, s.rep))
+        if s.token_ids and base is not None:
+            differing += sum((base - Counter(map(tuple, s.token_ids))).values())
+    return differing
+
+
+def check_greedy_identity(samples: list[LoadSample]) -> None:
+    """Every configuration through the services produced the target alone's tokens (greedy)."""
+    differing = differing_outputs(samples)
+    print(f"greedy outputs identical to the target alone: {'yes' if not differing else f'NO ({differing} requests)'}")

@@ -89,7 +89,7 @@ def start_model_server(
     loop_thread = threading.Thread(target=loop.run_forever, name=f"{servicer.role}-grpc", daemon=True)
     loop_thread.start()
 
-    async def serve() -> tuple[grpc.aio.Server, int, health_aio.HealthServicer, grpc.aio.Server | None]:
+    async def serve() -> ModelServer:
         server = grpc.aio.server(
             interceptors=[ErrorInterceptor()],
             options=serving.CHANNEL_OPTIONS,
@@ -104,10 +104,10 @@ def start_model_server(
             raise _CannotServe(str(exc)) from None
         await server.start()
         health_server = await serving.start_health_port(health_servicer, config.host, config.health_port)
-        return server, port, health_servicer, health_server
+        return ModelServer(server, port, servicer, health_servicer, loop, loop_thread, health_server)
 
     try:
-        server, port, health_servicer, health_server = asyncio.run_coroutine_threadsafe(serve(), loop).result()
+        model_server = asyncio.run_coroutine_threadsafe(serve(), loop).result()
     except BaseException as exc:
         loop.call_soon_threadsafe(loop.stop)
         if isinstance(exc, _CannotServe):
@@ -115,9 +115,8 @@ def start_model_server(
         raise
     if engine_thread:
         servicer.engine.start()
-    model_server = ModelServer(server, port, servicer, health_servicer, loop, loop_thread, health_server)
     _start_expiry(model_server, config.session_idle_timeout_s)
-    log.info("serving", service=service_name, host=config.host, port=port)
+    log.info("serving", service=service_name, host=config.host, port=model_server.port)
     return model_server
 
 

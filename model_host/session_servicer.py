@@ -76,7 +76,6 @@ class _Stream:
     """An open session stream, for idle closing: its handler's task, on the server's event loop."""
 
     task: asyncio.Task[object]
-    loop: asyncio.AbstractEventLoop
     last_active: float
     job: Job | None = None  # the step in the engine now
     idle_closed: bool = False
@@ -84,7 +83,7 @@ class _Stream:
     def close_idle(self) -> None:
         """Called from another thread: end the stream (its handler answers CANCELLED)."""
         self.idle_closed = True
-        self.loop.call_soon_threadsafe(self.task.cancel)
+        self.task.get_loop().call_soon_threadsafe(self.task.cancel)
 
 
 class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
@@ -199,12 +198,13 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         a step still queued in the engine)."""
         task = asyncio.current_task()
         assert task is not None
-        stream = _Stream(task, asyncio.get_running_loop(), time.monotonic())
+        stream = _Stream(task, time.monotonic())
         with self._streams_lock:
             self._streams[id(stream)] = stream
         session: Session | None = None
         steps = misses = 0
-        structlog.contextvars.bind_contextvars(request_id=request_id_from(context))
+        request_id = request_id_from(context)
+        structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
             async for request in requests:
                 steps += 1
@@ -212,7 +212,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
                 stream.last_active = time.monotonic()
                 self._check_common(request)
                 if session is None:
-                    session = self.store.open(request_id_from(context) or request.request_id or uuid.uuid4().hex)
+                    session = self.store.open(request_id or request.request_id or uuid.uuid4().hex)
                     structlog.contextvars.bind_contextvars(session=session.session_id)
                     self._publish_gauges()
                 if not self.store.rollback(session, request.keep):

@@ -194,10 +194,8 @@ class LoadAwareK(KPolicy):
 
     def observe_probe(self, acceptance: float | None) -> None:
         self._rounds_without_draft = 0  # a draft that did not answer is asked again in as many rounds
-        if acceptance is None:
-            return
-        self._accepted = self.decay * self._accepted + acceptance
-        self._trials = self.decay * self._trials + 1
+        if acceptance is not None:
+            self._learn(acceptance, 1)
 
     def round_seconds(self, k: int) -> float:
         """The services' price of a round at K = k, scaled by what this request's rounds of its kind
@@ -224,8 +222,11 @@ class LoadAwareK(KPolicy):
             self._rounds_without_draft += 1
             return
         self._rounds_without_draft = 0
-        trials = verdict.num_accepted + (0 if verdict.all_accepted else 1)
-        self._accepted = self.decay * self._accepted + verdict.num_accepted
+        self._learn(verdict.num_accepted, verdict.num_accepted + (0 if verdict.all_accepted else 1))
+
+    def _learn(self, accepted: float, trials: int) -> None:
+        """Fold `accepted` of `trials` draft tokens into the decayed acceptance estimate."""
+        self._accepted = self.decay * self._accepted + accepted
         self._trials = self.decay * self._trials + trials
 
 

@@ -57,10 +57,14 @@ def residual_distribution(target_row: torch.Tensor, draft_row: torch.Tensor) -> 
     return residual / total
 
 
-def acceptance_probability(token: int, draft_row: torch.Tensor, target_row: torch.Tensor) -> float:
-    """min(1, p(x) / q(x)): how likely speculative sampling keeps draft token x, sampled from q."""
-    q = float(draft_row[token])
-    return min(1.0, float(target_row[token]) / q) if q > 0 else 0.0
+def acceptance_probability(
+    token: int,
+    draft_row: torch.Tensor,  # [vocab] float32: q, the draft's distribution the token was sampled from
+    target_row: torch.Tensor,  # [vocab] float32: p, the target's at the same position
+) -> float:
+    """min(1, p(token) / q(token)): how likely speculative sampling keeps a draft token."""
+    draft_prob = float(draft_row[token])
+    return min(1.0, float(target_row[token]) / draft_prob) if draft_prob > 0 else 0.0
 
 
 def verify_sampled(

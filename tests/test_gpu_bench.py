@@ -9,11 +9,12 @@ from pathlib import Path
 import torch
 
 from bench import gpu
-from bench.load import LoadSample
+from bench.load import LoadSample, differing_outputs
 
 
 def test_the_close_draft_is_the_targets_first_layers() -> None:
-    target, close, unrelated = gpu.build_models(gpu.TINY, 256, late_scale=0.0, device="cpu", dtype=torch.float32)
+    models = gpu.build_models(gpu.TINY, 256, late_scale=0.0, device="cpu", dtype=torch.float32)
+    target, close, unrelated = models.target, models.close, models.unrelated
     assert len(close.model.layers) == gpu.TINY.draft_layers < len(target.model.layers)
     for name, value in close.state_dict().items():
         assert torch.equal(value, target.state_dict()[name]), name
@@ -31,8 +32,8 @@ def test_the_late_scale_is_the_knob_of_agreement() -> None:
     ]
     agreements = []
     for scale in (0.0, 1.0):
-        target, close, _ = gpu.build_models(gpu.TINY, 256, late_scale=scale, device="cpu", dtype=torch.float32)
-        agreements.append(gpu.greedy_agreement(target, close, prompts))
+        models = gpu.build_models(gpu.TINY, 256, late_scale=scale, device="cpu", dtype=torch.float32)
+        agreements.append(gpu.greedy_agreement(models.target, models.close, prompts))
     assert agreements[0] == 1.0 > agreements[1]
 
 
@@ -58,7 +59,7 @@ def test_differing_outputs_counts_requests_against_the_same_stacks_baseline() ->
         sample(gpu.SECOND_BASELINE, [[1, 2], [3, 5]]),
         sample(gpu.UNRELATED.name, [[1, 2], [3, 5]]),
     ]
-    assert gpu.differing_outputs(samples) == 1
+    assert differing_outputs(samples, gpu.BASELINES) == 1
 
 
 def test_the_script_runs_end_to_end_with_tiny_shapes(tmp_path: Path) -> None:
