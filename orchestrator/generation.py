@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import grpc
@@ -159,67 +159,98 @@ class Generation:
 
     # --- the loop ----------------------------------------------------------------------------
 
-    async def rounds(self) -> AsyncIterator[list[int]]:
-        """Yield each round's committed tokens until EOS, max_new_tokens or a full context."""
+    async def rounds(self) -> AsyncGenerator[list[int], None]:
+        """Yield each round's committed tokens until EOS, max_new_tokens or a full context.
+
+        The caller must close the generator when it stops early (`contextlib.aclosing`): the draft's work
+        beside the last step may still be running, and closing cancels it."""
         started = time.perf_counter()
         produced = 0
-        ready: Draft | None = None  # a block drafted during the previous verification, still valid
-        while self.finish_reason == orchestrator_pb2.FINISH_REASON_UNSPECIFIED:
-            round_started = time.perf_counter()
-            draft = self._lookup(produced)
-            if draft.token_ids:
-                ready = None  # a block the model drafted ahead no longer follows the sequence
-            else:
-                k = self._round_k(produced) if self.model_on_misses else 0
-                if ready is not None and k:
-                    draft = ready.first(k)
-                    self.stats.overlapped_rounds += 1
-                else:
-                    draft = await self._propose(self.sequence, k) if k else NO_DRAFT
-            CHOSEN_K.observe(len(draft.token_ids))
-            # Beside the target's step the draft may work: drafting the next block as if this one were
-            # all accepted (its first token guesses the bonus token; the rest is the next block), or,
-            # at K = 0, a probe: one token for the position the step decides, for the policy to learn
-            # from at no cost to the round's time.
-            side_k = self._guess_k(produced, draft)
-            probing = (
-                not side_k
-                and not draft.token_ids
-                and self.model_on_misses
-                and self._drafting_usable()
-                and self.policy.probe_due()
-            )
-            if probing:
-                side_k = 1
-                self.stats.probe_rounds += 1
-            checked, side = await self._verify_beside(draft, side_k)
-            verdict, target_seconds = checked.verdict, checked.target_seconds
-            if probing:
-                self._observe_probe(side, checked)
-            speculative = NO_DRAFT if probing else side
-            policy = self.policy
-            if draft.proposer == NGRAM:
-                assert self.lookup_policy is not None
-                policy = self.lookup_policy
-            policy.observe(verdict, draft.forward_seconds, target_seconds)
-            if produced:  # the first round is the prompt's prefill
-                fed = self.draft.last_fed if self.draft is not None and draft.forward_seconds > 0 else 0
-                policy.observe_wall(len(draft.token_ids), time.perf_counter() - round_started, fed)
-            self.stats.record_round(verdict, draft.proposer)
-            tokens = self._commit(verdict)
-            ready = self._still_valid(speculative, verdict, tokens)
-            produced += len(tokens)
-            if produced == len(tokens):
-                self.stats.time_to_first_token_seconds = time.perf_counter() - started
-            self.stats.output_tokens = produced
-            self.stats.total_seconds = time.perf_counter() - started
-            self._check_finished(tokens, produced)
-            if self.hybrid is not None and self.finish_reason != orchestrator_pb2.FINISH_REASON_UNSPECIFIED:
-                # Tokens after the first, over the time after it: the prompt's prefill is the same
-                # either way, and a long prompt must not make its way look slow.
-                decode_seconds = self.stats.total_seconds - self.stats.time_to_first_token_seconds
-                self.hybrid.observe(self.running_at_start, self.model_on_misses, produced - 1, decode_seconds)
-            yield tokens
+        beside: Beside | None = None  # the draft's work beside the last step, awaited when needed
+        try:
+            while self.finish_reason == orchestrator_pb2.FINISH_REASON_UNSPECIFIED:
+                round_started = time.perf_counter()
+                ready = await self._settle(beside) if beside is not None else None
+                draft, prefill_side_k = await self._block(produced, ready)
+                CHOSEN_K.observe(len(draft.token_ids))
+                # Beside the target's step the draft may work: drafting the next block as if this one
+                # were all accepted (its first token guesses the bonus token; the rest is the next
+                # block); in the first round, the same beside the target's prefill; or, at K = 0, a
+                # probe: one token for the position the step decides, for the policy to learn from at
+                # no cost to the round's time.
+                side_k = self._guess_k(produced, draft) or prefill_side_k
+                probing = not side_k and not draft.token_ids and self._probe_due()
+                if probing:
+                    side_k = 1
+                    self.stats.probe_rounds += 1
+                checked, side = await self._verify_beside(draft, side_k)
+                self._learn(draft, checked, produced, time.perf_counter() - round_started)
+                tokens = self._commit(checked.verdict)
+                # A probe's token, and the first token of a block drafted beside the prefill, guessed the
+                # token this step decided: the policy learns from them as from a probe.
+                beside = Beside(side, checked, tokens, probing or bool(prefill_side_k)) if side else None
+                produced += len(tokens)
+                self._account(tokens, produced, started)
+                yield tokens
+        finally:
+            if beside is not None:  # no round needs it any more
+                await _cancel(beside.task)
+
+    async def _block(self, produced: int, ready: Draft | None) -> tuple[Draft, int]:
+        """This round's block (the lookup's, the rest of a block drafted ahead, or the draft's now), and
+        how many tokens the draft is to propose beside the target's prefill instead (the first round)."""
+        draft = self._lookup(produced)
+        if draft.token_ids:
+            return draft, 0
+        k = self._round_k(produced) if self.model_on_misses else 0
+        if k and not produced and self.policy.drafts_beside_prefill:
+            # The target prefills the prompt alone (K = 0) while the draft prefills it beside and
+            # drafts the next block, rather than first prefilling and drafting while the target waits:
+            # the first token comes when the target alone gives it.
+            beside_k = self._ahead_k(produced, NO_DRAFT, k)
+            if beside_k:
+                return NO_DRAFT, beside_k
+        if ready is not None and k:
+            self.stats.overlapped_rounds += 1
+            return ready.first(k), 0
+        return (await self._propose(self.sequence, k) if k else NO_DRAFT), 0
+
+    def _probe_due(self) -> bool:
+        return self.model_on_misses and self._drafting_usable() and self.policy.probe_due()
+
+    def _learn(self, draft: Draft, checked: Checked, produced: int, seconds: float) -> None:
+        """Tell the block's policy how the round went (its verdict; its wall time but for the prefill)."""
+        policy = self.policy
+        if draft.proposer == NGRAM:
+            assert self.lookup_policy is not None
+            policy = self.lookup_policy
+        policy.observe(checked.verdict, draft.forward_seconds, checked.target_seconds)
+        if produced:  # the first round is the prompt's prefill
+            fed = self.draft.last_fed if self.draft is not None and draft.forward_seconds > 0 else 0
+            policy.observe_wall(len(draft.token_ids), seconds, fed)
+        self.stats.record_round(checked.verdict, draft.proposer)
+
+    def _account(self, tokens: list[int], produced: int, started: float) -> None:
+        """Statistics after a round committed `tokens`, `produced` in all; whether the generation ended."""
+        now = time.perf_counter()
+        if produced == len(tokens):
+            self.stats.time_to_first_token_seconds = now - started
+        self.stats.output_tokens = produced
+        self.stats.total_seconds = now - started
+        self._check_finished(tokens, produced)
+        if self.hybrid is not None and self.finish_reason != orchestrator_pb2.FINISH_REASON_UNSPECIFIED:
+            # Tokens after the first, over the time after it: the prompt's prefill is the same either
+            # way, and a long prompt must not make its way look slow.
+            decode_seconds = self.stats.total_seconds - self.stats.time_to_first_token_seconds
+            self.hybrid.observe(self.running_at_start, self.model_on_misses, produced - 1, decode_seconds)
+
+    async def _settle(self, beside: Beside) -> Draft | None:
+        """Await the draft's work beside the last step: score it if it was a probe's, and return the rest
+        of its block when its first token guessed the step's last token (else None)."""
+        side = await beside.task
+        if beside.scored:
+            self._observe_probe(side, beside.checked)
+        return self._still_valid(side, beside.checked.verdict, beside.tokens)
 
     def _lookup(self, produced: int) -> Draft:
         """This round's prompt-lookup block, or NO_DRAFT (no lookup, no match, or K = 0 pays best)."""
@@ -246,9 +277,14 @@ class Generation:
         overlap is off, the block is not the model's, or no next round could use them."""
         if not self.request.overlap_drafting or not draft.token_ids or draft.proposer != MODEL:
             return 0
+        return self._ahead_k(produced, draft, self.policy.next_k())
+
+    def _ahead_k(self, produced: int, draft: Draft, next_k: int) -> int:
+        """Tokens to draft during the verification of `draft`: a guess at the step's last token plus
+        `next_k`, capped so that the next round cannot overshoot a limit (0 when it could not use them)."""
         after = len(self.sequence) + len(draft.token_ids) + 1  # if all accepted, plus the bonus token
         next_k = min(
-            self.policy.next_k(),
+            next_k,
             self.request.max_new_tokens - (produced + len(draft.token_ids) + 1) - 1,
             self.limits.target_max_context - after - 1,
             self.limits.draft_max_speculative_tokens - 1,  # the step drafts next_k + 1 tokens
@@ -351,20 +387,19 @@ class Generation:
             self.load.observe_draft(response.timing, len(token_ids), draft.last_fed, draft.last_seconds)
         return Draft(token_ids=token_ids, probs=probs, forward_seconds=response.timing.forward_seconds)
 
-    async def _verify_beside(self, draft: Draft, side_k: int) -> tuple[Checked, Draft]:
-        """The target's check of `draft`, and the draft's `side_k` tokens continuing the sequence plus
-        `draft`, proposed meanwhile (NO_DRAFT when side_k is 0)."""
+    async def _verify_beside(self, draft: Draft, side_k: int) -> tuple[Checked, asyncio.Task[Draft] | None]:
+        """The target's check of `draft`, and the task drafting `side_k` tokens continuing the sequence
+        plus `draft` meanwhile (None when side_k is 0), left running: the step's tokens go to the client
+        before the next round awaits it."""
         if not side_k:
-            return await self._verify(draft), NO_DRAFT
+            return await self._verify(draft), None
         side = asyncio.create_task(self._propose(self.sequence + draft.token_ids, side_k))
         try:
             checked = await self._verify(draft)
         except BaseException:
-            side.cancel()
-            with contextlib.suppress(BaseException):
-                await side
+            await _cancel(side)
             raise
-        return checked, await side
+        return checked, side
 
     async def _verify(self, draft: Draft) -> Checked:
         """The target's verdict on a block, its forward seconds and, sampling, its rows."""
@@ -439,3 +474,19 @@ class Generation:
     @property
     def wire_bytes(self) -> int:
         return self.target.wire_bytes + (self.draft.wire_bytes if self.draft else 0)
+
+
+@dataclass(frozen=True)
+class Beside:
+    """The draft's work beside a target step (`Generation._verify_beside`), with what judging it needs."""
+
+    task: asyncio.Task[Draft]
+    checked: Checked  # the step's answer
+    tokens: list[int]  # what the step committed
+    scored: bool  # a probe's token, or a block drafted beside the prefill: its first token is scored
+
+
+async def _cancel(task: asyncio.Task[Draft]) -> None:
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 import uuid
@@ -370,26 +371,27 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         first = True
         deadline = time.monotonic() + self.config.request_timeout_s
         try:
-            async for tokens in generation.rounds():
-                if time.monotonic() > deadline:
-                    raise ServiceError(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"the generation ran past the server's limit of {self.config.request_timeout_s:g} s "
-                        "(--request-timeout-s); ask for fewer tokens",
-                    )
-                delta = text.push(tokens)
-                streamed += len(delta.token_ids)
-                if delta.stopped:
-                    finish = orchestrator_pb2.FINISH_REASON_STOP
-                if delta.text or delta.token_ids:
-                    yield orchestrator_pb2.GenerateResponse(
-                        text=delta.text,
-                        token_ids=delta.token_ids,
-                        request_id=generation_request.request_id if first else "",
-                    )
-                    first = False
-                if delta.stopped:
-                    break
+            async with contextlib.aclosing(generation.rounds()) as rounds:
+                async for tokens in rounds:
+                    if time.monotonic() > deadline:
+                        raise ServiceError(
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"the generation ran past the server's limit of {self.config.request_timeout_s:g} s "
+                            "(--request-timeout-s); ask for fewer tokens",
+                        )
+                    delta = text.push(tokens)
+                    streamed += len(delta.token_ids)
+                    if delta.stopped:
+                        finish = orchestrator_pb2.FINISH_REASON_STOP
+                    if delta.text or delta.token_ids:
+                        yield orchestrator_pb2.GenerateResponse(
+                            text=delta.text,
+                            token_ids=delta.token_ids,
+                            request_id=generation_request.request_id if first else "",
+                        )
+                        first = False
+                    if delta.stopped:
+                        break
             if finish == orchestrator_pb2.FINISH_REASON_UNSPECIFIED:
                 finish = generation.finish_reason
             stats = generation.stats

@@ -80,6 +80,26 @@ def test_adaptive_policies_stay_exact(orchestrators, target_model, references, p
         assert got == expected, _explain(target_model, list(prompt), expected, got)
 
 
+def test_load_aware_drafts_beside_the_targets_prefill(orchestrators, target_model, references):
+    """load_aware's first round is the target's prefill alone, the draft prefilling beside it and
+    drafting the next block; the second round verifies that block when its first token guessed the
+    prefill's token. Overlapped drafting is off here, so only those blocks count as overlapped."""
+    beside = 0
+    for prompt, expected in list(references.items())[:8]:
+        request = orchestrator_pb2.GenerateRequest(
+            token_ids=orchestrator_pb2.TokenIds(ids=list(prompt)),
+            max_new_tokens=MAX_NEW_TOKENS,
+            num_speculative_tokens=2,
+            speculation_policy=orchestrator_pb2.SPECULATION_POLICY_LOAD_AWARE,
+            overlap_drafting=False,
+        )
+        got, _, last = collect(orchestrators["close"].stub, request)
+        assert got == expected, _explain(target_model, list(prompt), expected, got)
+        assert last.stats.overlapped_rounds <= 1
+        beside += last.stats.overlapped_rounds
+    assert beside > 0
+
+
 def test_target_alone_is_exact(orchestrators, target_model, references):
     for prompt, expected in list(references.items())[:5]:
         request = orchestrator_pb2.GenerateRequest(

@@ -39,6 +39,13 @@ NEW_TOKENS = 3
 SAMPLES = 20_000
 
 
+class FixedKBesidePrefill(FixedK):
+    """The fixed policy with load_aware's first round: the target's prefill alone, the draft prefilling
+    beside it and drafting the next block."""
+
+    drafts_beside_prefill = True
+
+
 class LogitsTable(dict[tuple[int, ...], torch.Tensor]):
     """Next-token logits of a model for every prefix: PROMPT plus every continuation of up to
     `max_extra` tokens computed up front in batches, longer prefixes on first use. [vocab] each"""
@@ -185,11 +192,13 @@ async def _sample_many(
     overlap: bool = False,
     prompt: list[int] = PROMPT,
     draft_method: str = "model",
+    beside_prefill: bool = False,
 ) -> tuple[Counter, float]:
     """Run the real Generation loop `samples` times; counts of the first NEW_TOKENS tokens.
 
     With overlap, generations run longer than NEW_TOKENS so that blocks drafted during verification
-    are used (a block is only drafted ahead when a later round can use it). With the ngram method the
+    are used (a block is only drafted ahead when a later round can use it); so are the blocks drafted
+    beside the prefill with `beside_prefill`. With the ngram method the
     blocks come from the prompt lookup alone, and the lookup must really have proposed."""
     target_logits, draft_logits = tables
     limits = ModelLimits(vocab_size=VOCAB, target_max_context=64, draft_max_context=64, eos_token_ids=frozenset())
@@ -214,7 +223,7 @@ async def _sample_many(
             TableTarget(target_logits),  # type: ignore[arg-type]
             TableDraft(draft_logits) if draft_method != "ngram" else None,  # type: ignore[arg-type]
             DraftAvailability(1.0),
-            FixedK(k, k),
+            FixedKBesidePrefill(k, k) if beside_prefill else FixedK(k, k),
             draft_timeout_s=10.0,
             lookup_policy=FixedK(k, k) if draft_method != "model" else None,
         )
@@ -227,8 +236,9 @@ async def _sample_many(
         overlapped += generation.stats.overlapped_rounds
         looked_up += generation.stats.ngram_draft_tokens
     assert (looked_up == drafted > 0) == (draft_method == "ngram"), (looked_up, drafted)
-    # With overlap, blocks drafted during verification really were used (and checked by the test).
-    assert (overlapped > samples // 20) == overlap, overlapped
+    # With overlap (or beside the prefill), blocks drafted during verification really were used (and
+    # checked by the test).
+    assert (overlapped > samples // 20) == (overlap or beside_prefill), overlapped
     return counts, accepted / drafted
 
 
@@ -244,6 +254,17 @@ def test_first_three_tokens_follow_target_distribution(tables, close_table, para
     counts, acceptance = asyncio.run(_sample_many(pair, params, k, SAMPLES, overlap))
     assert sum(counts.values()) == SAMPLES and all(len(o) == NEW_TOKENS for o in counts)
     # the draft is a different model: it is accepted sometimes, rejected sometimes
+    assert 0.1 < acceptance < 0.95, acceptance
+    pvalue = chi_square_pvalue(counts, exact_distribution(tables[0], params), SAMPLES)
+    assert pvalue > 0.01, pvalue
+
+
+@pytest.mark.slow
+def test_blocks_drafted_beside_the_prefill_keep_the_target_distribution(tables, close_table):
+    """load_aware's first round (the draft prefilling and drafting beside the target's prefill, its
+    block verified in the second round when its first token guessed the prefill's)."""
+    params = SamplingParams(temperature=1.0)
+    counts, acceptance = asyncio.run(_sample_many((tables[0], close_table), params, 2, SAMPLES, beside_prefill=True))
     assert 0.1 < acceptance < 0.95, acceptance
     pvalue = chi_square_pvalue(counts, exact_distribution(tables[0], params), SAMPLES)
     assert pvalue > 0.01, pvalue
