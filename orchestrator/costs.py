@@ -121,7 +121,8 @@ class SpeculationGate:
     which load-aware requests may speculate and epochs in which they run K = 0, for each load level
     (running requests averaged over the epoch's rounds, by powers of two). Once both are known at a
     level it keeps the faster (speculation only when faster by `margin`), trying the other one epoch in
-    `explore_every`. A pause longer than an epoch (no load-aware round at all) starts a new epoch rather
+    `explore_every`, and less often (up to one in `max_explore_every`) while each try confirms the
+    choice. A pause longer than an epoch (no load-aware round at all) starts a new epoch rather
     than counting as a slow one, as does a change of load by two levels (a fall only once it has
     lasted `dip_s`) or a rise by one early in the epoch (`_stale`). At a load level not yet measured,
     where speculation already lost at a lower load, it starts at K = 0 and measures speculation only in
@@ -137,6 +138,7 @@ class SpeculationGate:
         self,
         epoch_s: float = 1.0,
         explore_every: int = 8,
+        max_explore_every: int = 64,
         margin: float = 1.1,
         settle_fraction: float = 0.3,
         ramp_fraction: float = 0.1,
@@ -145,6 +147,14 @@ class SpeculationGate:
     ) -> None:
         self.epoch_s = epoch_s
         self.explore_every = explore_every
+        # An exploration that confirms the mode kept at its level doubles the epochs until the next one
+        # there, up to this; one that changes the mode brings them back to `explore_every`. Each
+        # exploration of a mode that loses costs its loss for an epoch, and where one mode is clearly
+        # better the same answer comes back every time.
+        self.max_explore_every = max(max_explore_every, explore_every)
+        self._waits: dict[int, int] = {}  # level -> epochs from one exploration to the next
+        self._since: dict[int, int] = {}  # level -> epochs begun there since its last exploration
+        self._explored_from: bool | None = None  # this epoch explores: whether speculating was best
         # After a switch to K = 0, the first part of the epoch measures the end of speculating, not
         # K = 0: speculative rounds still finishing, and sessions that drifted out of phase while
         # speculating (the target does not hold batches for speculative verifies) coming back into
@@ -173,7 +183,6 @@ class SpeculationGate:
         self._level = 0  # the load level this epoch's mode was chosen for
         # level -> rates at K = 0 and speculating (committed tokens per second per running request)
         self._rates = ModeRates()
-        self._choices: dict[int, int] = {}  # epochs begun at each level, for exploration
 
     def speculating(self, running: int) -> bool:
         """Whether a round starting now, with `running` requests generating, may speculate.
@@ -239,8 +248,9 @@ class SpeculationGate:
         self._fell_at = None
         level = self._level = running.bit_length()
         plain, speculating = self._rates.get(level)
-        choices = self._choices[level] = self._choices.get(level, 0) + 1
-        explore = choices % self.explore_every == 0
+        since = self._since[level] = self._since.get(level, 0) + 1
+        explore = since >= self._waits.get(level, self.explore_every)
+        self._explored_from = None
         if running < 2:
             self.speculate = True  # alone: nobody else to slow down
         elif plain is None and speculating is None:
@@ -251,9 +261,12 @@ class SpeculationGate:
             # Speculation pays less as load grows: where it lost at a lower load, K = 0 is kept here
             # too until an exploration epoch measures it.
             self.speculate = explore or not self._lost_below(level)
+            self._since[level] = 0 if explore else since
         else:
             best = self._pays(plain, speculating)
             self.speculate = (not best) if explore else best
+            if explore:
+                self._since[level], self._explored_from = 0, best
         GATE_SPECULATING.set(int(self.speculate))
         GATE_EPOCHS.labels("speculating" if self.speculate else "k0").inc()
         to_plain = previous is True and not self.speculate
@@ -267,7 +280,17 @@ class SpeculationGate:
         # Per running request: an epoch at the tail of a busier spell (2 requests, then 1) must not
         # make its mode look faster than the same mode at a steady 1.
         rate = self._tokens / (now - self._measured_from) / max(running, 1.0)
-        self._rates.observe(round(running).bit_length(), self.speculate, rate)
+        level = round(running).bit_length()
+        self._rates.observe(level, self.speculate, rate)
+        if self._explored_from is not None and level == self._level:
+            # Judged on this epoch alone: the kept mode's rate is a mean that one epoch moves little,
+            # and a change of the traffic must bring the explorations back at once.
+            plain, speculating = self._rates.get(level)
+            assert plain is not None and speculating is not None
+            pays = self._pays(plain, rate) if self.speculate else self._pays(rate, speculating)
+            wait = self._waits.get(level, self.explore_every)
+            confirmed = pays == self._explored_from
+            self._waits[level] = min(2 * wait, self.max_explore_every) if confirmed else self.explore_every
 
     def _lost_below(self, level: int) -> bool:
         """Whether the nearest lower load level with both modes measured found K = 0 faster."""

@@ -210,7 +210,7 @@ def test_the_gate_measures_whether_speculating_pays_at_each_load():
     from orchestrator.costs import SpeculationGate
 
     now = [0.0]
-    gate = SpeculationGate(epoch_s=1.0, explore_every=4, clock=lambda: now[0])
+    gate = SpeculationGate(epoch_s=1.0, explore_every=4, max_explore_every=4, clock=lambda: now[0])
     rate = {True: 50, False: 80}  # at 8 running requests, K = 0 commits more tokens per second
 
     def epoch(running: int) -> bool:
@@ -245,6 +245,39 @@ def test_the_gate_measures_whether_speculating_pays_at_each_load():
     now[0] += 60.0
     gate.record(5, 2)
     assert gate.speculate is True
+
+
+def test_the_gate_explores_less_while_explorations_confirm_the_mode():
+    """Each exploration that finds the other mode still losing doubles the epochs until the next one
+    at that level (up to `max_explore_every`); one that changes the mode brings back `explore_every`."""
+    from orchestrator.costs import SpeculationGate
+
+    now = [0.0]
+    gate = SpeculationGate(epoch_s=1.0, explore_every=2, max_explore_every=8, clock=lambda: now[0])
+    rate = {True: 50, False: 80}  # at 8 running requests, K = 0 commits more tokens per second
+
+    def epochs(count: int) -> list[bool]:
+        modes = []
+        for _ in range(count):
+            modes.append(gate.speculate)
+            for _ in range(10):
+                gate.record(rate[gate.speculate] // 10, 8)
+                now[0] = round(now[0] + 0.1, 6)
+            gate.record(0, 8)
+        return modes
+
+    modes = epochs(24)
+    explorations = [index for index, mode in enumerate(modes) if mode and index > 0]
+    # Measured both first (epochs 0 and 1); explored at the second epoch since (each level counts
+    # epochs from its first), then 4 epochs later, then 8, the most.
+    assert explorations == [2, 6, 14, 22], modes
+    # Speculation now pays here. The next exploration finds it, which brings the explorations back to
+    # one in 2, until the mean rate of speculating epochs beats K = 0's and speculation is kept.
+    rate.update({True: 160, False: 80})
+    modes = epochs(24)
+    assert modes[:8].count(True) == 1, modes  # the exploration due 8 epochs after the last
+    assert modes[8:10].count(True) == 1, modes  # then one in 2, until speculating measures faster
+    assert modes[-6:].count(True) >= 4, modes  # then kept
 
 
 def test_an_idle_spell_is_no_epoch_of_the_gate():
@@ -418,7 +451,7 @@ def test_the_gate_counts_the_drafts_catching_up_against_speculation():
     from orchestrator.costs import SpeculationGate
 
     now = [0.0]
-    gate = SpeculationGate(epoch_s=1.0, explore_every=2, settle_fraction=0.3, clock=lambda: now[0])
+    gate = SpeculationGate(epoch_s=1.0, explore_every=4, max_explore_every=4, settle_fraction=0.3, clock=lambda: now[0])
     # Speculating first, at 100 tokens/s; then K = 0 at 100 (settled) and a K = 0 epoch at 100.
     # Then the exploration: speculation stalls 0.3 s while the drafts catch up, then runs at 140 tokens/s:
     # 98 in the epoch, counted whole; its mean with the first epoch is 99, short of K = 0's 100 x 1.1
