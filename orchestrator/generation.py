@@ -203,10 +203,11 @@ class Generation:
         if draft.token_ids:
             return draft, 0
         k = self._round_k(produced) if self.model_on_misses else 0
-        if k and not produced and self.policy.drafts_beside_prefill:
+        if k and not produced and (self.request.overlap_drafting or self.policy.drafts_beside_prefill):
             # The target prefills the prompt alone (K = 0) while the draft prefills it beside and
             # drafts the next block, rather than first prefilling and drafting while the target waits:
-            # the first token comes when the target alone gives it.
+            # the first token comes when the target alone gives it (overlapped drafting's idea, for
+            # the prefill).
             beside_k = self._ahead_k(produced, NO_DRAFT, k)
             if beside_k:
                 return NO_DRAFT, beside_k

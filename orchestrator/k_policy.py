@@ -33,8 +33,8 @@ class KPolicy(abc.ABC):
     """Chooses K before each round and learns from each verdict."""
 
     # Whether a request's first round runs the target's prefill alone (K = 0) while the draft prefills
-    # the prompt beside it, drafting the next block (Generation.rounds). Off for the policies whose
-    # rounds are the request's K literally.
+    # the prompt beside it, drafting the next block (Generation._block), also without overlapped
+    # drafting (with it, every policy's first round does).
     drafts_beside_prefill = False
 
     def __init__(self, initial_k: int, max_k: int) -> None:
