@@ -54,6 +54,7 @@ class LeanDraft(Forward):
         config = model.config
         self.model = model
         self.store = store
+        self.device = store.device
         self.layers = model.model.layers
         self.rotary = model.model.rotary_emb
         self.num_heads = config.num_attention_heads

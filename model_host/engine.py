@@ -234,6 +234,7 @@ class Engine:
         started = time.perf_counter()
         try:
             logits: RowLogits = self.forward(rows)
+            self.forward.synchronize()
         except Exception as exc:
             log.exception("forward_failed", rows=len(rows))
             message = f"{HANDLER_INTERNAL_PREFIX}the {self.role} forward: {type(exc).__name__}: {exc}"

@@ -31,12 +31,22 @@ class Forward:
 
     name = "forward"
     batched = True
+    device = torch.device("cpu")
 
     def __call__(self, rows: list[Row]) -> RowLogits:
         raise NotImplementedError
 
     def release(self, slot: int) -> None:
         """The slot's session is gone; its storage may be reused."""
+
+    def synchronize(self) -> None:
+        """Wait until the device has run what the last call queued, so that a clock read after it
+        times the forward: CUDA runs kernels asynchronously, and without this a forward's time is
+        only its launch (the engine's metrics, the timing every step reports, and the start-up cost
+        curve that load-aware K prices rounds by). It costs no extra wait: the engine reads the
+        logits on the CPU right after."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
 
 def split_logits(logits: torch.Tensor, rows: list[Row]) -> RowLogits:
@@ -51,6 +61,7 @@ class BatchedForward(Forward):
     def __init__(self, model: PreTrainedModel, store: SlotStore) -> None:
         self.model = model
         self.store = store
+        self.device = store.device
         self.additive_mask = model.config._attn_implementation == "eager"
 
     def __call__(self, rows: list[Row]) -> RowLogits:

@@ -38,8 +38,10 @@ def forward_costs(
             rows = [Row(slot, _PREFIX_TOKENS, prefix[:width], width) for slot in range(batch)]
             seconds = []
             for _ in range(_REPEATS):
+                forward.synchronize()  # nothing queued before the clock starts
                 started = time.perf_counter()
                 forward(rows)
+                forward.synchronize()
                 seconds.append(time.perf_counter() - started)
             by_tokens.setdefault(batch * width, []).append(statistics.median(seconds))
     for slot in range(batch_sizes[-1]):

@@ -12,7 +12,7 @@ import torch
 from model_host.engine import Engine, EngineLimits, Job, _chunk, group_ends
 from model_host.forward import Forward, RowLogits
 from model_host.kv_slots import Row
-from model_host.profile import overhead_tokens
+from model_host.profile import forward_costs, overhead_tokens
 from serving.errors import ServiceError
 
 VOCAB = 5
@@ -151,6 +151,46 @@ def test_a_draft_like_job_takes_one_iteration_per_token_beside_others():
         assert len(forward.batches) == 4
     finally:
         engine.stop()
+
+
+class QueuedForward(FakeForward):
+    """A forward that returns before the device has run it, as CUDA's does: the device takes
+    `device_s` more, which only `synchronize` waits for."""
+
+    def __init__(self, device_s: float) -> None:
+        super().__init__()
+        self.device_s = device_s
+
+    def synchronize(self) -> None:
+        time.sleep(self.device_s)
+
+
+def test_a_forward_is_timed_until_the_device_has_run_it():
+    """The step timing every reply carries (and the engine's metrics) must include the device's work,
+    or load-aware K would price a GPU forward at its launch."""
+    engine = _engine(QueuedForward(device_s=0.05))
+    try:
+        job = Countdown(slot=0, start=0, pending=[1, 2], num_logits=1)
+        engine.submit(job).result(timeout=5)
+        assert job.forward_seconds >= 0.05
+    finally:
+        engine.stop()
+
+
+def test_the_cost_curve_times_forwards_until_the_device_has_run_them():
+    points = forward_costs(QueuedForward(device_s=0.01), VOCAB, max_batch_size=2, widths=(1,))
+    assert [tokens for tokens, _ in points] == [1, 2]
+    assert all(seconds >= 0.01 for _, seconds in points)
+
+
+def test_only_a_cuda_device_is_waited_for(monkeypatch):
+    waited: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", waited.append)
+    forward = FakeForward()
+    forward.synchronize()  # the CPU runs a forward before it returns
+    forward.device = torch.device("cuda", 1)
+    forward.synchronize()
+    assert waited == [torch.device("cuda", 1)]
 
 
 def test_limits_a_failing_batch_and_a_cancelled_job():
