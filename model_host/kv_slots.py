@@ -86,7 +86,7 @@ class BatchView:
         self.width = max(len(row.token_ids) for row in rows)  # T
         counts = torch.tensor([len(row.token_ids) for row in rows], device=device)  # [B]
         starts = torch.tensor([row.start for row in rows], device=device)  # [B]
-        self.kv_length = int((starts + counts).max())
+        self.kv_length = max(row.start + len(row.token_ids) for row in rows)  # not from the tensors: no device sync
         store.ensure(max(row.slot for row in rows) + 1, self.kv_length + 1)
         offsets = torch.arange(self.width, device=device)[None] - (self.width - counts)[:, None]  # [B, T]
         self.padding = offsets < 0  # [B, T]
