@@ -170,7 +170,11 @@ class Generation:
         try:
             while self.finish_reason == orchestrator_pb2.FINISH_REASON_UNSPECIFIED:
                 round_started = time.perf_counter()
-                ready = await self._settle(beside) if beside is not None else None
+                ready = None
+                if beside is not None:
+                    ready = await self._settle(beside)
+                    if produced == len(beside.tokens):  # the draft's prefill, beside the target's
+                        round_started = time.perf_counter()  # is no round's cost, as the prefill is not
                 draft, prefill_side_k = await self._block(produced, ready)
                 CHOSEN_K.observe(len(draft.token_ids))
                 # Beside the target's step the draft may work: drafting the next block as if this one

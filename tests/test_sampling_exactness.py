@@ -270,6 +270,64 @@ def test_blocks_drafted_beside_the_prefill_keep_the_target_distribution(tables, 
     assert pvalue > 0.01, pvalue
 
 
+class SlowPrefillDraft(TableDraft):
+    """A draft whose first step (its prefill of the prompt) takes `seconds`."""
+
+    def __init__(self, logits: LogitsTable, seconds: float) -> None:
+        super().__init__(logits)
+        self.seconds = seconds
+        self.steps = 0
+
+    async def step(self, *args: Any, **kwargs: Any) -> draft_pb2.DraftResponse:  # type: ignore[override]
+        self.steps += 1
+        if self.steps == 1:
+            await asyncio.sleep(self.seconds)
+        return await super().step(*args, **kwargs)
+
+
+class WallTimes(FixedKBesidePrefill):
+    def __init__(self, k: int) -> None:
+        super().__init__(k, k)
+        self.walls: list[float] = []
+
+    def observe_wall(self, k: int, seconds: float, draft_fed: int = 0) -> None:
+        self.walls.append(seconds)
+
+
+def test_the_drafts_prefill_beside_the_targets_prices_no_round(tables, close_table):
+    """The second round starts by waiting for the block drafted beside the prefill; that wait is the
+    prefill's, which prices no round (as the first round's prefill does not)."""
+    limits = ModelLimits(vocab_size=VOCAB, target_max_context=64, draft_max_context=64, eos_token_ids=frozenset())
+    request = GenerationRequest(
+        request_id="t",
+        prompt_token_ids=PROMPT,
+        max_new_tokens=8,
+        sampling=SamplingParams(temperature=1.0),
+        seed=1,
+        num_speculative_tokens=2,
+        overlap_drafting=False,
+        min_confidence=0.0,
+    )
+    policy = WallTimes(2)
+    draft = SlowPrefillDraft(close_table, seconds=0.3)
+    generation = Generation(
+        request,
+        limits,
+        TableTarget(tables[0]),  # type: ignore[arg-type]
+        draft,  # type: ignore[arg-type]
+        DraftAvailability(1.0),
+        policy,
+        draft_timeout_s=10.0,
+    )
+
+    async def run() -> list[int]:
+        return [token async for tokens in generation.rounds() for token in tokens]
+
+    assert len(asyncio.run(run())) == 8
+    assert draft.steps >= 2 and policy.walls, (draft.steps, policy.walls)
+    assert max(policy.walls) < 0.15, policy.walls
+
+
 @pytest.mark.slow
 def test_prompt_lookup_proposals_keep_the_target_distribution(tables):
     """Point-mass proposals from the lookup (a prompt that repeats itself, so lookups really happen,
