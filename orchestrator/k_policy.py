@@ -203,7 +203,10 @@ class LoadAwareK(KPolicy):
         )
 
     def observe_probe(self, acceptance: float | None) -> None:
-        self._rounds_without_draft = 0  # a draft that did not answer is asked again in as many rounds
+        # Scored once the next round begins (Generation._settle), after the probe's own round was
+        # observed: that round counts, so that the next probe comes `probe_every` rounds after it. A
+        # draft that did not answer is asked again in as many rounds.
+        self._rounds_without_draft = 1
         if acceptance is not None:
             self._learn(acceptance, 1)
 
