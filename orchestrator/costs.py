@@ -261,7 +261,8 @@ class SpeculationGate:
             # Speculation pays less as load grows: where it lost at a lower load, K = 0 is kept here
             # too until an exploration epoch measures it.
             self.speculate = explore or not self._lost_below(level)
-            self._since[level] = 0 if explore else since
+            if explore:
+                self._since[level] = 0
         else:
             best = self._pays(plain, speculating)
             self.speculate = (not best) if explore else best
