@@ -10,7 +10,7 @@ PAIR ?= default_models/pair
 PROMPT ?= def fibonacci(n):
 HOST ?= 127.0.0.1
 
-.PHONY: setup proto lint test run bench load-bench gpu-bench soak wheel models evaluate clean
+.PHONY: setup proto lint test matrix run bench load-bench gpu-bench soak wheel models evaluate clean
 
 setup: $(INSTALLED) $(GENERATED)
 
@@ -36,6 +36,11 @@ lint: setup
 
 test: lint
 	$(PY) -m pytest -q tests
+
+# Every architecture family of tests/architectures.py through the three services, batched and in the
+# fallback (make test serves a subset of them).
+matrix: setup
+	$(PY) -m pytest -q tests/test_architectures.py -m "matrix or not matrix"
 
 # A real speculative generation through three gRPC services on loopback, with the default pair.
 run: setup

@@ -19,12 +19,14 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
-from model_host.forward import Forward, RowLogits, agrees_with_model, split_logits
+from model_host.attention import FULL, SLIDING, AttentionLayout
+from model_host.forward import CHECK_ERRORS, TOLERANCE, Forward, RowLogits, disagreement, split_logits
 from model_host.kv_slots import BatchView, Row, SlotStore
 
 log = structlog.get_logger(__name__)
 
 SUPPORTED = {"llama", "mistral", "qwen2"}
+LAYER_TYPES = {FULL, SLIDING}
 
 
 def _fuse(*projections: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -55,6 +57,7 @@ class LeanDraft(Forward):
         self.model = model
         self.store = store
         self.device = store.device
+        self.layout = AttentionLayout.of(config)  # each layer's mask: global or sliding window
         self.layers = model.model.layers
         self.rotary = model.model.rotary_emb
         self.num_heads = config.num_attention_heads
@@ -71,23 +74,29 @@ class LeanDraft(Forward):
         self.gate_up = [_fuse(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in self.layers]
 
     @classmethod
-    def attach(cls, model: PreTrainedModel, store: SlotStore) -> LeanDraft | None:
-        """A LeanDraft when the architecture is supported and matches the model's own forward."""
+    def attach(cls, model: PreTrainedModel, store: SlotStore, prefill_chunk: int = 512) -> LeanDraft | None:
+        """A LeanDraft when the architecture is supported and matches the model's own forward (the
+        start-up check of model_host/forward.py, past the model's windows where it has them)."""
         config = model.config
         if config.model_type not in SUPPORTED:
-            return None
-        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
             return None
         if len({str(p.device) for p in model.parameters()}) > 1:
             return None  # spread over devices by device_map="auto": keep the model's own forward
         lean = cls(model, store)
-        try:
-            agree = agrees_with_model(lean, model, tolerance=1e-3)
-        except (RuntimeError, AttributeError, TypeError) as exc:
-            log.warning("lean_draft_unavailable", reason=str(exc))
+        if not {layer.layer_type for layer in lean.layout.layers} <= LAYER_TYPES:
+            log.warning("lean_draft_unavailable", reason=f"attention: {lean.layout.describe()}")
             return None
-        if not agree:
-            log.warning("lean_draft_unavailable", reason="differs from the model's own forward")
+        try:
+            error = disagreement(lean, model, lean.layout, store.max_capacity - 1, prefill_chunk)
+        except CHECK_ERRORS as exc:
+            log.warning("lean_draft_unavailable", reason=f"{type(exc).__name__}: {exc}")
+            return None
+        if error >= TOLERANCE:
+            log.warning(
+                "lean_draft_unavailable",
+                reason=f"differs from the model's own forward by {error:.2g} of the largest logit",
+                attention=lean.layout.describe(),
+            )
             return None
         return lean
 
@@ -118,7 +127,12 @@ class LeanDraft(Forward):
             qk = self._rotate(qkv[:, : heads + kv_heads], cos, sin)  # queries and keys rotate together
             keys, values = view.update(qk[:, heads:], qkv[:, heads + kv_heads :], index)
             out = F.scaled_dot_product_attention(
-                qk[:, :heads], keys, values, attn_mask=view.mask, scale=self.scaling, enable_gqa=kv_heads != heads
+                qk[:, :heads],
+                keys,
+                values,
+                attn_mask=view.mask(self.layout.layers[index]),
+                scale=self.scaling,
+                enable_gqa=kv_heads != heads,
             )
             out = out.transpose(1, 2).reshape(batch, width, heads * self.head_dim)
             attn = layer.self_attn

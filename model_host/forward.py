@@ -1,13 +1,16 @@
 """Forward passes over many sessions at once.
 
 - `BatchedForward`: any Hugging Face causal LM whose attention layers call `cache.update` (Llama,
-  Mistral, Qwen2, GPT-2 and most others): one forward over every row, keys and values resident in a
-  `SlotStore`, per-row positions and a 4-D mask.
+  Mistral, Qwen2, Gemma, GPT-2 and most others): one forward over every row, keys and values resident
+  in a `SlotStore`, per-row positions, and a 4-D mask for each attention pattern the model's layers use
+  (global, sliding window, chunked: model_host/attention.py).
 - `SerialForward`: the fallback for an architecture the batched pass cannot serve (its start-up check
   disagrees with the model's own forward, or the model is spread over devices): one Hugging Face
   `DynamicCache` per slot, rows run one after another.
 
 Both take a list of `Row`s and return, per row, the logits of its last `num_logits` tokens.
+`choose_forward` checks them against the model's own forward, on sequences that run past the model's
+windows with rollbacks across their edges, before a service serves.
 """
 
 from __future__ import annotations
@@ -18,12 +21,20 @@ from collections.abc import Callable
 import structlog
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from model_host.attention import AttentionLayout
 from model_host.kv_slots import BatchView, Row, SlotStore
 
 log = structlog.get_logger(__name__)
 
 RowLogits = list[torch.Tensor | None]  # per row: [num_logits, vocab], or None when num_logits is 0
+# What the start-up check tolerates between a forward and the model's own: relative to the largest logit.
+TOLERANCE = 1e-3
+
+
+class ModelNotServable(ValueError):
+    """Neither forward computes the model's own function; the message names the feature and what to do."""
 
 
 class Forward:
@@ -58,23 +69,35 @@ def split_logits(logits: torch.Tensor, rows: list[Row]) -> RowLogits:
 class BatchedForward(Forward):
     name = "batched"
 
-    def __init__(self, model: PreTrainedModel, store: SlotStore) -> None:
+    def __init__(self, model: PreTrainedModel, store: SlotStore, layout: AttentionLayout | None = None) -> None:
         self.model = model
         self.store = store
         self.device = store.device
+        self.layout = layout or AttentionLayout.of(model.config)
         self.additive_mask = model.config._attn_implementation == "eager"
+        self.patterns = self.layout.patterns
+        if len({pattern.layer_type for pattern in self.patterns}) < len(self.patterns):
+            # Models look their layers' masks up by layer type (`causal_mask_mapping[layer_type]`).
+            raise ValueError(f"layers of one type attend within different windows: {self.layout.describe()}")
+
+    def _prepared(self, mask: torch.Tensor) -> torch.Tensor:
+        if not self.additive_mask:
+            return mask
+        # eager attention adds its mask to the scores
+        return torch.zeros(mask.shape, dtype=self.store.dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(self.store.dtype).min
+        )
 
     def __call__(self, rows: list[Row]) -> RowLogits:
         view = BatchView(self.store, rows)
-        mask = view.mask
-        if self.additive_mask:  # eager attention adds its mask to the scores
-            mask = torch.zeros(mask.shape, dtype=self.store.dtype, device=mask.device).masked_fill(
-                ~mask, torch.finfo(self.store.dtype).min
-            )
+        # One pattern: the mask every layer gets. Several (local and global layers): the mapping by
+        # layer type that such models take in place of the masks they would build.
+        masks = {pattern.layer_type: self._prepared(view.mask(pattern)) for pattern in self.patterns}
+        attention_mask: torch.Tensor | dict[str, torch.Tensor] = masks if len(masks) > 1 else next(iter(masks.values()))
         kept = max(1, max(row.num_logits for row in rows))
         output = self.model(
             input_ids=view.input_ids(rows),
-            attention_mask=mask,
+            attention_mask=attention_mask,
             position_ids=view.position_ids,
             cache=view,
             use_cache=True,
@@ -92,12 +115,22 @@ class SerialForward(Forward):
         self.device = model.get_input_embeddings().weight.device
         self.caches: dict[int, DynamicCache] = {}
 
+    def _new_cache(self) -> DynamicCache:
+        """The model's own cache layout, except that sliding-window layers keep every token: Hugging
+        Face's sliding layer drops what falls out of its window, and a rollback across the window's
+        edge then needs tokens it no longer has (`crop` raises). The mask still applies the window."""
+        cache = DynamicCache(config=self.model.config)
+        cache.layers = [
+            DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer for layer in cache.layers
+        ]
+        return cache
+
     def __call__(self, rows: list[Row]) -> RowLogits:
         out: RowLogits = []
         for row in rows:
             cache = self.caches.get(row.slot)
             if cache is None or row.start == 0:
-                cache = self.caches[row.slot] = DynamicCache(config=self.model.config)
+                cache = self.caches[row.slot] = self._new_cache()
             held = cache.get_seq_length()
             if held > row.start:
                 cache.crop(row.start - held)  # transformers 5: a negative count drops tokens
@@ -112,43 +145,138 @@ class SerialForward(Forward):
         self.caches.pop(slot, None)
 
 
-@torch.inference_mode()
-def agrees_with_model(forward: Callable[[list[Row]], RowLogits], model: PreTrainedModel, tolerance: float) -> bool:
-    """Three sessions of different lengths through prefill, mixed-width steps and rollbacks give the
-    model's own logits (relative tolerance), in batches."""
+def check_schedule(layout: AttentionLayout, context: int, vocab: int, chunk: int) -> list[list[Row]]:
+    """The steps of three sessions that the start-up check feeds, forward by forward.
+
+    Without windows: short prefills, then mixed-width steps with rollbacks. With a window (or chunk)
+    shorter than the context, the sessions are prefilled to just short of its edge, in chunks of at
+    most `chunk` tokens as the engine feeds a long prompt, and then step across it in widths of 1 to 5
+    with rollbacks of up to 3 tokens, until each runs several tokens past it: a batched forward that
+    ignores a layer's window, or a cache that cannot roll back once its window is full, shows here."""
     rng = random.Random(0)
+    edge = layout.longest_span if 0 < layout.longest_span < context else 0
+    sequences: list[list[int]] = [[], [], []]
+    steps: list[list[Row]] = []
+
+    def feed(slot: int, sequence: list[int], keep: int, width: int, num_logits: int) -> Row:
+        del sequence[keep:]
+        new = [rng.randrange(vocab) for _ in range(width)]
+        row = Row(slot=slot, start=len(sequence), token_ids=new, num_logits=num_logits)
+        sequence += new
+        return row
+
+    if not edge:
+        steps.append(
+            [feed(slot, s, 0, width, 2) for slot, (s, width) in enumerate(zip(sequences, (5, 9, 12), strict=True))]
+        )
+        for _ in range(5):
+            rows = []
+            for slot, s in enumerate(sequences):
+                width = rng.choice([1, 2, 4])
+                rows.append(feed(slot, s, max(0, len(s) - rng.randrange(0, 3)), width, min(2, width)))
+            steps.append(rows)
+        return steps
+    prefill = [max(1, edge - 6), max(1, edge - 4), max(1, edge - 1)]
+    while any(len(s) < want for s, want in zip(sequences, prefill, strict=True)):
+        rows = []
+        for slot, (s, want) in enumerate(zip(sequences, prefill, strict=True)):
+            width = min(chunk, want - len(s))
+            if width > 0:
+                rows.append(feed(slot, s, len(s), width, min(2, width) if len(s) + width == want else 0))
+        steps.append(rows)
+    past = min(edge + 6, context - 6)
+    for _ in range(40):
+        if min(len(s) for s in sequences) >= past:
+            break
+        rows = []
+        for slot, s in enumerate(sequences):
+            keep = max(0, len(s) - rng.randrange(0, 4))
+            width = min(rng.choice([1, 2, 4, 5]), context - keep)
+            rows.append(feed(slot, s, keep, width, min(2, width)))
+        steps.append(rows)
+    return steps
+
+
+@torch.inference_mode()
+def disagreement(
+    forward: Callable[[list[Row]], RowLogits], model: PreTrainedModel, layout: AttentionLayout, context: int, chunk: int
+) -> float:
+    """The largest difference, relative to the largest logit, between `forward` and the model's own
+    forward over each whole sequence, across `check_schedule`; releases the slots it used."""
     vocab = model.get_output_embeddings().weight.shape[0]
     device = model.get_input_embeddings().weight.device
-    sequences: list[list[int]] = [[], [], []]
+    sequences: dict[int, list[int]] = {}
     worst = 0.0
-    for step in range(6):
-        rows = []
-        for slot, sequence in enumerate(sequences):
-            keep = len(sequence) - rng.randrange(0, 3) if step and sequence else len(sequence)
-            del sequence[max(0, keep) :]
-            new = [rng.randrange(vocab) for _ in range(rng.choice([1, 2, 4] if step else [5, 9, 12]))]
-            rows.append(Row(slot=slot, start=len(sequence), token_ids=new, num_logits=min(2, len(new))))
-            sequence += new
-        got = forward(rows)
-        for row, sequence, logits in zip(rows, sequences, got, strict=True):
-            want = model(torch.tensor([sequence], device=device)).logits[0, -row.num_logits :].float()
+    for rows in check_schedule(layout, context, vocab, chunk):
+        for row in rows:
+            sequences[row.slot] = sequences.get(row.slot, [])[: row.start] + row.token_ids
+        for row, logits in zip(rows, forward(rows), strict=True):
+            if not row.num_logits:
+                continue
+            want = model(torch.tensor([sequences[row.slot]], device=device)).logits[0, -row.num_logits :].float()
             assert logits is not None
             scale = float(want.abs().max().clamp_min(1.0))
             worst = max(worst, float((logits.float() - want).abs().max()) / scale)
-    return worst < tolerance
+    if isinstance(forward, Forward):
+        for slot in sequences:
+            forward.release(slot)
+    return worst
 
 
-def choose_forward(model: PreTrainedModel, store: SlotStore, tolerance: float = 1e-3) -> Forward:
-    """The batched forward when the model supports it (checked), else the serial fallback (logged)."""
+CHECK_ERRORS = (RuntimeError, AttributeError, TypeError, ValueError, IndexError, KeyError, AssertionError)
+
+
+def _features(model: PreTrainedModel, layout: AttentionLayout) -> str:
+    """What about the model's attention a user would look at when a forward does not fit it."""
+    config = model.config
+    found = [f"{config.model_type}: {layout.describe()}"]
+    if getattr(config, "alibi", False):
+        found.append("ALiBi position biases (config.alibi), built from a 2-D padding mask")
+    return "; ".join(found)
+
+
+def _not_servable(layout: AttentionLayout, features: str, problem: str) -> ModelNotServable:
+    if layout.unsupported:
+        problem = (
+            f"its {', '.join(layout.unsupported)} layers keep a state that cannot be rolled back to an earlier "
+            f"token ({problem})"
+        )
+    return ModelNotServable(
+        f"this model cannot be served: {problem}; attention: {features}. Speculative decoding drops the "
+        "cache's last tokens after a rejected draft, which needs global, sliding-window or chunked attention"
+    )
+
+
+def choose_forward(model: PreTrainedModel, store: SlotStore, prefill_chunk: int = 512) -> Forward:
+    """The batched forward when it computes the model's own function (checked), else the serial
+    fallback (checked too, and logged with the reason); `ModelNotServable` when neither does."""
+    layout = AttentionLayout.of(model.config)
+    context = store.max_capacity - 1
+    features = _features(model, layout)
     if len({str(p.device) for p in model.parameters()}) > 1:
-        log.warning("batched_forward_unavailable", reason="the model is spread over several devices")
-        return SerialForward(model)
-    batched = BatchedForward(model, store)
+        reason = "the model is spread over several devices (device_map=auto)"
+    else:
+        try:
+            batched = BatchedForward(model, store, layout)
+            error = disagreement(batched, model, layout, context, prefill_chunk)
+            if error < TOLERANCE:
+                return batched
+            reason = f"its logits differ from the model's own forward by {error:.2g} of the largest logit"
+        except CHECK_ERRORS as exc:
+            reason = f"the model's forward refused it ({type(exc).__name__}: {exc})"
+    serial = SerialForward(model)
     try:
-        if agrees_with_model(batched, model, tolerance):
-            return batched
-        reason = "differs from the model's own forward"
-    except (RuntimeError, AttributeError, TypeError, ValueError, IndexError, AssertionError) as exc:
-        reason = f"{type(exc).__name__}: {exc}"
-    log.warning("batched_forward_unavailable", reason=reason, fallback="one session per forward")
-    return SerialForward(model)
+        error = disagreement(serial, model, layout, context, prefill_chunk)
+    except CHECK_ERRORS as exc:
+        raise _not_servable(layout, features, f"rolling its cache back fails ({type(exc).__name__}: {exc})") from exc
+    if error >= TOLERANCE:
+        raise _not_servable(
+            layout, features, f"stepping and rolling back its own cache gives logits {error:.2g} away from its forward"
+        )
+    log.warning(
+        "batched_forward_unavailable",
+        reason=reason,
+        attention=features,
+        fallback="one session per forward: outputs stay exact, throughput under concurrent requests is lower",
+    )
+    return serial

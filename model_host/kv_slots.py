@@ -8,7 +8,8 @@ Rows are right-aligned in a step of width T: row i's T_i new tokens sit at input
 T - T_i .. T - 1, so every row's last token is at T - 1 and the logits wanted are always the last
 few positions. Input position t of row i is cache position start_i + t - (T - T_i). Padding positions
 (t < T - T_i) write into the scratch column (the slot's last), which no query ever sees, and their
-queries see only position 0, so nothing is undefined.
+queries see only position 0, so nothing is undefined. A layer's queries see the cached positions its
+attention pattern allows (`BatchView.mask`: global, sliding window or chunk; model_host/attention.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from model_host.attention import GLOBAL, LayerAttention, visible_keys
 
 _INITIAL_SLOTS = 4
 _INITIAL_CAPACITY = 256
@@ -99,10 +102,18 @@ class BatchView:
         first = slots[0]
         self.contiguous = slots == list(range(first, first + len(slots)))
         self.first_slot = first
-        keys = torch.arange(self.kv_length, device=device)  # [L]
-        visible = keys[None, None, :] <= positions[:, :, None]  # [B, T, L]
-        visible |= self.padding[:, :, None] & (keys == 0)[None, None, :]
-        self.mask = visible[:, None]  # [B, 1, T, L] True where a query may attend
+        self._positions = positions  # [B, T]
+        self._keys = torch.arange(self.kv_length, device=device)  # [L]
+        self._masks: dict[LayerAttention, torch.Tensor] = {}
+
+    def mask(self, layer: LayerAttention = GLOBAL) -> torch.Tensor:
+        """[B, 1, T, L] True where a query may attend, for a layer of this pattern (built once per view)."""
+        mask = self._masks.get(layer)
+        if mask is None:
+            visible = visible_keys(layer, self._keys, self._positions)  # [B, T, L]
+            visible |= self.padding[:, :, None] & (self._keys == 0)[None, None, :]
+            mask = self._masks[layer] = visible[:, None]
+        return mask
 
     def input_ids(self, rows: list[Row]) -> torch.Tensor:
         """[B, T] the rows' tokens, right-aligned (padding is token 0, never seen)."""

@@ -132,7 +132,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
 
     def make_forward(self) -> Forward:
         """The batched forward pass of this service's model (or its serial fallback)."""
-        return choose_forward(self.loaded.model, self.slot_store)
+        return choose_forward(self.loaded.model, self.slot_store, self.config.prefill_chunk_tokens)
 
     def cache_miss(self) -> ResponseT:
         """The response that says: resend with keep = 0 and the full sequence."""
