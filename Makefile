@@ -49,6 +49,7 @@ run: setup
 bench: setup
 	$(PY) -m bench
 	$(PY) -m bench.gateway
+	$(PY) -m bench.gateway_hostile
 
 # Throughput and latency under 1 to 16 concurrent clients (bench/load.py).
 load-bench: setup

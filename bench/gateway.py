@@ -14,6 +14,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -45,6 +47,30 @@ def _gateway_stream(client: openai.OpenAI, model: str, prompt: str, tokens: int)
     return time.perf_counter() - started, count
 
 
+@contextmanager
+def running_gateway(orchestrator: str) -> Iterator[tuple[int, int]]:
+    """`python -m http_gateway` in front of `orchestrator`, once it answers: its port and pid."""
+    port = free_port()
+    command = [sys.executable, "-m", "http_gateway", "--orchestrator", orchestrator, "--port", str(port),
+               "--log-level", "warning"]  # fmt: skip
+    gateway = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        client = openai.OpenAI(base_url=f"http://{LOOPBACK}:{port}/v1", api_key="unused", max_retries=0)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        yield port, gateway.pid
+    finally:
+        gateway.terminate()
+        gateway.wait(15)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench.gateway", description=__doc__)
     parser.add_argument("--prompts", type=int, default=6)
@@ -55,45 +81,30 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     prompts = held_out_prompts(args.prompts)
     overheads: list[float] = []
-    with LocalStack(str(DEFAULT_PAIR / "target"), str(DEFAULT_PAIR / "draft")) as stack:
-        port = free_port()
-        gateway = subprocess.Popen(
-            [sys.executable, "-m", "http_gateway", "--orchestrator", stack.orchestrator_address, "--port", str(port),
-             "--log-level", "warning"],
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        )  # fmt: skip
-        try:
-            client = openai.OpenAI(base_url=f"http://{LOOPBACK}:{port}/v1", api_key="unused", max_retries=0)
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    model = client.models.list().data[0].id
-                    break
-                except openai.APIConnectionError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.5)
-            with grpc.insecure_channel(stack.orchestrator_address) as channel:
-                stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
-                _grpc_stream(stub, prompts[0], 8)
-                _gateway_stream(client, model, prompts[0], 8)
-                for rep in range(args.reps):
-                    for index, prompt in enumerate(prompts):
-                        runs = [("grpc", stub), ("gateway", client)]
-                        if (rep + index) % 2:
-                            runs.reverse()  # alternate which goes first
-                        times = {}
-                        for name, _ in runs:
-                            if name == "grpc":
-                                times[name] = _grpc_stream(stub, prompt, args.max_new_tokens)
-                            else:
-                                times[name] = _gateway_stream(client, model, prompt, args.max_new_tokens)
-                        (grpc_s, grpc_n), (http_s, http_n) = times["grpc"], times["gateway"]
-                        assert grpc_n == http_n, (grpc_n, http_n)
-                        overheads.append((http_s - grpc_s) / max(1, http_n))
-        finally:
-            gateway.terminate()
-            gateway.wait(15)
+    with (
+        LocalStack(str(DEFAULT_PAIR / "target"), str(DEFAULT_PAIR / "draft")) as stack,
+        running_gateway(stack.orchestrator_address) as (port, _),
+    ):
+        client = openai.OpenAI(base_url=f"http://{LOOPBACK}:{port}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        with grpc.insecure_channel(stack.orchestrator_address) as channel:
+            stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+            _grpc_stream(stub, prompts[0], 8)
+            _gateway_stream(client, model, prompts[0], 8)
+            for rep in range(args.reps):
+                for index, prompt in enumerate(prompts):
+                    runs = [("grpc", stub), ("gateway", client)]
+                    if (rep + index) % 2:
+                        runs.reverse()  # alternate which goes first
+                    times = {}
+                    for name, _ in runs:
+                        if name == "grpc":
+                            times[name] = _grpc_stream(stub, prompt, args.max_new_tokens)
+                        else:
+                            times[name] = _gateway_stream(client, model, prompt, args.max_new_tokens)
+                    (grpc_s, grpc_n), (http_s, http_n) = times["grpc"], times["gateway"]
+                    assert grpc_n == http_n, (grpc_n, http_n)
+                    overheads.append((http_s - grpc_s) / max(1, http_n))
     median_ms = 1000 * statistics.median(overheads)
     quartiles = [1000 * q for q in statistics.quantiles(overheads, n=4)]
     print(f"gateway overhead per streamed token, concurrency 1: median {median_ms:.3f} ms "

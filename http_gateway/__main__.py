@@ -11,9 +11,11 @@ from dataclasses import dataclass
 import grpc
 import structlog
 import uvicorn
+from grpc_health.v1 import health_pb2_grpc
 from transformers import AutoTokenizer
 
-from http_gateway.app import Upstream, create_app
+from http_gateway.app import RequestLimits, Upstream, create_app
+from http_gateway.limits import RequestBounds, bounded_protocol, default_max_body_bytes, default_max_connections
 from serving.config import add_config_arguments
 from serving.log_setup import configure_logging
 from serving.security import ApiKeys, channel_credentials
@@ -40,6 +42,10 @@ class GatewayConfig:
     upstream_api_key: str = ""
     startup_timeout_s: float = 120.0
     grace_period_s: float = 30.0
+    max_body_bytes: int = 0  # 0: derived from the model's context (limits.default_max_body_bytes)
+    read_timeout_s: float = 30.0
+    max_connections: int = 0  # 0: half the process's open-file limit
+    keep_alive_timeout_s: float = 5.0
     log_level: str = "info"
 
 
@@ -58,6 +64,10 @@ _HELP = {
     "upstream_api_key": "key for the gateway's own calls to the orchestrator (default: the first of --api-key-file)",
     "startup_timeout_s": "how long to wait for the orchestrator at start-up",
     "grace_period_s": "seconds open requests get to finish after SIGTERM",
+    "max_body_bytes": "largest request body (413 beyond); 0 derives it from the model's context",
+    "read_timeout_s": "seconds a client has to send a request's headers, and then its body (408 or closed beyond)",
+    "max_connections": "open connections at most (429 beyond); 0: half the process's open-file limit",
+    "keep_alive_timeout_s": "seconds an idle keep-alive connection stays open between requests",
     "log_level": "debug, info, warning or error",
 }
 
@@ -73,18 +83,24 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
     return config
 
 
+_MAX_RECONNECT_BACKOFF_MS = 1000
+
+
 async def connect(config: GatewayConfig) -> tuple[grpc.aio.Channel, Upstream]:
     """The orchestrator's channel and info (waiting for it up to the start-up timeout), and the tokenizer."""
     credentials = channel_credentials(config.upstream_tls_ca, config.upstream_tls_cert, config.upstream_tls_key)
-    options = (
-        [("grpc.ssl_target_name_override", config.upstream_tls_server_name)] if config.upstream_tls_server_name else []
-    )
+    # An orchestrator that comes back is found within a second or two (gRPC's default backoff grows
+    # to two minutes, during which every request and the readiness check would fail).
+    options: list[tuple[str, str | int]] = [("grpc.max_reconnect_backoff_ms", _MAX_RECONNECT_BACKOFF_MS)]
+    if config.upstream_tls_server_name:
+        options.append(("grpc.ssl_target_name_override", config.upstream_tls_server_name))
     channel = (
         grpc.aio.secure_channel(config.orchestrator, credentials, options=options)
         if credentials
-        else grpc.aio.insecure_channel(config.orchestrator)
+        else grpc.aio.insecure_channel(config.orchestrator, options=options)
     )
     stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+    health = health_pb2_grpc.HealthStub(channel)
     key = config.upstream_api_key
     if not key and config.api_key_file:  # the orchestrator may check keys too: the same file's first
         key = ApiKeys(config.api_key_file).first()
@@ -100,24 +116,38 @@ async def connect(config: GatewayConfig) -> tuple[grpc.aio.Channel, Upstream]:
             await asyncio.sleep(0.5)
     name = config.tokenizer or info.target.model
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, name)
-    return channel, Upstream(stub, info, tokenizer)
+    return channel, Upstream(stub, info, tokenizer, health)
+
+
+# Request headers beyond this are answered 431 (h11's own bound on a header section in pieces).
+MAX_HEADER_BYTES = 16 * 1024
+
+
+def server_config(config: GatewayConfig, upstream: Upstream) -> uvicorn.Config:
+    """The gateway's app under uvicorn, with its bounds on connections, reads and bodies."""
+    keys = ApiKeys(config.api_key_file) if config.api_key_file else None
+    limits = RequestLimits(
+        max_body_bytes=config.max_body_bytes or default_max_body_bytes(upstream.info.target.max_context),
+        read_timeout_s=config.read_timeout_s,
+    )
+    return uvicorn.Config(
+        RequestBounds(create_app(upstream, limits, keys), MAX_HEADER_BYTES, limits.max_body_bytes),
+        host=config.host,
+        port=config.port,
+        ssl_certfile=config.tls_cert or None,
+        ssl_keyfile=config.tls_key or None,
+        log_level=config.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=int(config.grace_period_s),
+        http=bounded_protocol(config.read_timeout_s, config.max_connections or default_max_connections()),
+        timeout_keep_alive=int(config.keep_alive_timeout_s),
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+    )
 
 
 async def serve(config: GatewayConfig) -> None:
     channel, upstream = await connect(config)
-    keys = ApiKeys(config.api_key_file) if config.api_key_file else None
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(upstream, keys),
-            host=config.host,
-            port=config.port,
-            ssl_certfile=config.tls_cert or None,
-            ssl_keyfile=config.tls_key or None,
-            log_level=config.log_level,
-            access_log=False,
-            timeout_graceful_shutdown=int(config.grace_period_s),
-        )
-    )
+    server = uvicorn.Server(server_config(config, upstream))
     log.info("serving", port=config.port, orchestrator=config.orchestrator, model=upstream.model)
     try:
         await server.serve()

@@ -1,8 +1,11 @@
 """The OpenAI-compatible HTTP gateway: a FastAPI app that is a gRPC client of the orchestrator.
 
 POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events, or not),
-GET /v1/models, GET /health. A client that disconnects cancels its gRPC call, so the services free
-the session at once.
+GET /v1/models, GET /health (liveness), GET /ready (readiness: the orchestrator answers its health
+check). A client that disconnects cancels its gRPC call, so the services free the session at once.
+
+Every error, expected or not, is an OpenAI-style JSON body (`{"error": {...}}`) with the status
+that names its cause; bodies are bounded and parsed off the event loop (http_gateway/limits.py).
 """
 
 from __future__ import annotations
@@ -15,15 +18,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import jinja2
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
+from http_gateway.limits import body_too_large, parse_json, read_body
 from http_gateway.openai_api import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     EXTENSION_FIELDS,
     FINISH_REASONS,
+    PROMPT_CHARS_PER_CONTEXT_TOKEN,
     ApiError,
     Parsed,
     build_request,
@@ -52,20 +60,32 @@ _HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 _DISCONNECT_POLL_S = 0.1
+_READY_TIMEOUT_S = 1.0  # an orchestrator that takes longer to answer its health check is not ready
+# gRPC refuses metadata beyond 8 KiB in all; the Authorization header is the gateway's only forwarded one.
+MAX_AUTHORIZATION_BYTES = 4096
 _COMMON_FIELDS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", *EXTENSION_FIELDS}
 
 
 @dataclass
 class Upstream:
-    """The orchestrator: its stub and what GetInfo said."""
+    """The orchestrator: its stubs and what GetInfo said."""
 
     stub: orchestrator_pb2_grpc.OrchestratorStub
     info: orchestrator_pb2.GetInfoResponse
     tokenizer: PreTrainedTokenizerBase
+    health: health_pb2_grpc.HealthStub | None = None
 
     @property
     def model(self) -> str:
         return self.info.target.model
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """How much of a request the gateway reads, and for how long."""
+
+    max_body_bytes: int
+    read_timeout_s: float
 
 
 def _api_error(exc: grpc.aio.AioRpcError) -> ApiError:
@@ -84,21 +104,50 @@ class Generation:
     request_id: str = ""
 
 
-def create_app(upstream: Upstream, api_keys: ApiKeys | None = None) -> FastAPI:
-    """The gateway's FastAPI app over a connected orchestrator."""
-    app = FastAPI(title="specdec OpenAI-compatible gateway", docs_url=None, redoc_url=None)
+def create_app(upstream: Upstream, limits: RequestLimits, api_keys: ApiKeys | None = None) -> FastAPI:
+    """The gateway's FastAPI app over a connected orchestrator. The interactive docs and the OpenAPI
+    schema are not served: they would be the one unauthenticated description of the API."""
+    app = FastAPI(
+        title="specdec OpenAI-compatible gateway",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        max_body_size=limits.max_body_bytes,
+    )
+    context = upstream.info.target.max_context
 
     def metadata_of(request: Request) -> tuple[tuple[str, str], ...]:
         authorization = request.headers.get("authorization", "")
+        if len(authorization) > MAX_AUTHORIZATION_BYTES:
+            raise ApiError(
+                431,
+                f"the Authorization header has {len(authorization)} bytes; at most "
+                f"{MAX_AUTHORIZATION_BYTES} are accepted",
+                "authorization",
+                "header_too_large",
+            )
+        if not all(" " <= c <= "~" for c in authorization):
+            raise ApiError(
+                400,
+                "the Authorization header must be printable ASCII: `Bearer <key>`",
+                "authorization",
+                "invalid_header",
+            )
         if api_keys is not None and not api_keys.accepts((("authorization", authorization),)):
             raise ApiError(401, "a valid API key is required: send the header `Authorization: Bearer <key>`")
         return (("authorization", authorization),) if authorization else ()
 
     def check_model(body: dict[str, Any]) -> None:
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise invalid("`model` must be a string", "model")
         if model is not None and model != upstream.model:
-            raise ApiError(404, f"The model `{model}` does not exist; this server serves `{upstream.model}`",
-                           "model", "model_not_found")  # fmt: skip
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{upstream.model}`",
+                "model",
+                "model_not_found",
+            )
 
     async def run(
         request: Request, parsed: Parsed, metadata: tuple[tuple[str, str], ...]
@@ -157,10 +206,14 @@ def create_app(upstream: Upstream, api_keys: ApiKeys | None = None) -> FastAPI:
         return JSONResponse(body, headers={REQUEST_ID_HEADER: parsed.request.request_id})
 
     async def body_of(request: Request) -> dict[str, Any]:
-        try:
-            body = await request.json()
-        except ValueError as exc:
-            raise invalid(f"the request body is not JSON: {exc}") from exc
+        """The JSON object of the body: its type, size and read time bounded, parsed off the event loop."""
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if content_type != "application/json" and not content_type.endswith("+json"):
+            got = content_type or "no Content-Type"
+            message = f"the request body must be JSON, sent with `Content-Type: application/json`; got {got!r}"
+            raise ApiError(415, message, "content-type", "unsupported_media_type")
+        raw = await read_body(request.stream(), limits.read_timeout_s)
+        body = await asyncio.to_thread(parse_json, raw)
         if not isinstance(body, dict):
             raise invalid("the request body must be a JSON object")
         return body
@@ -170,18 +223,56 @@ def create_app(upstream: Upstream, api_keys: ApiKeys | None = None) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        headers = {"retry-after": "1"} if exc.status in (429, 503) else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Routing's own answers (an unknown path, a wrong method) in the same JSON shape."""
+        if exc.status_code == 413:  # Starlette's body limit, on a body without a Content-Length
+            error = body_too_large(limits.max_body_bytes)
+        else:
+            error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        return JSONResponse(error.body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        """A bug, never a client's fault: logged with the request id, answered in the same shape."""
+        rid = request.headers.get(REQUEST_ID_HEADER, "")
+        log.error("unexpected_error", request_id=rid, path=request.url.path, exc_info=exc)
+        error = ApiError(500, f"internal error in the gateway, logged under request id {rid!r}", code="internal")
+        return JSONResponse(error.body(), status_code=500)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
+        """Liveness: the gateway's own loop answers."""
         return {"status": "ok", "model": upstream.model}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness: the orchestrator answers its health check as SERVING."""
+        serving = False
+        if upstream.health is not None:
+            try:
+                answer = await upstream.health.Check(health_pb2.HealthCheckRequest(), timeout=_READY_TIMEOUT_S)
+                serving = answer.status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.aio.AioRpcError:
+                serving = False
+        if serving:
+            return JSONResponse({"status": "ready", "model": upstream.model})
+        error = ApiError(
+            503,
+            "the orchestrator does not answer its health check; requests would fail with 503",
+            code="orchestrator_unavailable",
+        )
+        return JSONResponse(error.body(), status_code=503)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         metadata_of(request)
         draft = upstream.info.draft.model if upstream.info.HasField("draft") else None
         card = {"id": upstream.model, "object": "model", "created": 0, "owned_by": "specdec"}
-        card["specdec"] = {"draft_model": draft, "max_context": upstream.info.target.max_context}
+        card["specdec"] = {"draft_model": draft, "max_context": context}
         return {"object": "list", "data": [card]}
 
     async def accepted(request: Request, prompt_field: str) -> tuple[tuple[tuple[str, str], ...], dict[str, Any]]:
@@ -195,16 +286,18 @@ def create_app(upstream: Upstream, api_keys: ApiKeys | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         metadata, body = await accepted(request, "prompt")
-        parsed = build_request(body, completion_prompt(body), COMPLETIONS_DEFAULT_MAX_TOKENS, request_id(request))
+        prompt = completion_prompt(body, upstream.info.target.vocab_size, context)
+        parsed = build_request(body, prompt, COMPLETIONS_DEFAULT_MAX_TOKENS, request_id(request))
         return await respond(request, parsed, chat=False, metadata=metadata)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         metadata, body = await accepted(request, "messages")
-        prompt_ids = await asyncio.to_thread(render_chat, upstream.tokenizer, body.get("messages"))
-        room = upstream.info.target.max_context - len(prompt_ids)
+        messages = check_messages(body.get("messages"), context * PROMPT_CHARS_PER_CONTEXT_TOKEN)
+        prompt_ids = await asyncio.to_thread(render_chat, upstream.tokenizer, messages)
+        room = context - len(prompt_ids)
         if room < 1:
-            raise invalid(f"the messages take {len(prompt_ids)} tokens; the context holds {room + len(prompt_ids)}")
+            raise invalid(f"the messages take {len(prompt_ids)} tokens; the context holds {context}", "messages")
         default = min(upstream.info.max_new_tokens_cap, room)
         prompt = orchestrator_pb2.GenerateRequest(token_ids=orchestrator_pb2.TokenIds(ids=prompt_ids))
         parsed = build_request(body, prompt, default, request_id(request))
@@ -213,22 +306,63 @@ def create_app(upstream: Upstream, api_keys: ApiKeys | None = None) -> FastAPI:
     return app
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Any) -> list[int]:
-    """Messages as token ids by the model's own chat template, ready for the assistant's turn."""
+def check_messages(messages: Any, max_chars: int) -> list[dict[str, str]]:
+    """Chat messages of text, within the characters the gRPC API accepts for a text prompt (checked
+    before rendering and tokenizing, which cost time in proportion)."""
     if not isinstance(messages, list) or not messages:
         raise invalid("`messages` must be a non-empty list of {role, content} objects", "messages")
-    for message in messages:
+    total = 0
+    for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise invalid("every message needs a `role` and a `content`", "messages")
+            raise invalid(f"`messages[{index}]` needs a string `role` and a `content`", f"messages[{index}]")
         if not isinstance(message.get("content"), str):
-            raise invalid("only text `content` is supported", "messages")
+            raise invalid(
+                f"`messages[{index}].content` must be text (only text content is supported)",
+                f"messages[{index}].content",
+            )
+        total += len(message["content"]) + len(message["role"])
+        if total > max_chars:
+            raise invalid(
+                f"the messages have more than {max_chars} characters, the most a prompt may have for a "
+                "context of this model",
+                "messages",
+            )
+    return messages
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
+    """Messages as token ids by the model's own chat template, ready for the assistant's turn. A
+    template that refuses the conversation is a 400 naming the first message it refuses."""
     if not getattr(tokenizer, "chat_template", None):
         raise invalid("this model has no chat template: use /v1/completions with a prompt", "messages")
-    # The template writes any BOS itself; the ids go to the orchestrator as they are (no second BOS).
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    try:
+        # The template writes any BOS itself; the ids go to the orchestrator as they are (no second BOS).
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except jinja2.TemplateError as exc:
+        index = _first_refused(tokenizer, messages)
+        where = f"`messages[{index}]` (role {messages[index]['role']!r})" if index is not None else "the conversation"
+        raise invalid(
+            f"the model's chat template refuses {where}: {exc}",
+            f"messages[{index}]" if index is not None else "messages",
+        ) from None
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return [int(t) for t in ids]
+
+
+_MAX_MESSAGES_SEARCHED = 64  # rendering every prefix of a longer conversation would cost its square
+
+
+def _first_refused(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> int | None:
+    """The first message whose conversation prefix the template refuses (None: only the whole one)."""
+    if len(messages) > _MAX_MESSAGES_SEARCHED:
+        return None
+    for end in range(1, len(messages) + 1):
+        try:
+            tokenizer.apply_chat_template(messages[:end], add_generation_prompt=True, tokenize=False)
+        except jinja2.TemplateError:
+            return end - 1
+    return None
 
 
 async def _events(
@@ -270,6 +404,10 @@ async def _events(
             yield f"data: {json.dumps(tail)}\n\n"
     except ApiError as exc:  # after the response started: the error travels as an event
         yield f"data: {json.dumps(exc.body())}\n\n"
+    except Exception as exc:  # a bug: logged, and the client still gets a JSON error event
+        log.error("unexpected_error", request_id=parsed.request.request_id, exc_info=exc)
+        error = ApiError(500, f"internal error in the gateway, logged under request id {parsed.request.request_id!r}")
+        yield f"data: {json.dumps(error.body())}\n\n"
     finally:
         await stream.aclose()  # cancels the gRPC call if the client went away mid-stream
     yield "data: [DONE]\n\n"

@@ -17,6 +17,9 @@ from google.protobuf.json_format import MessageToDict
 from serving.protocol import DRAFT_METHOD_BY_NAME, POLICY_BY_NAME
 from specdec.v1 import orchestrator_pb2
 
+# A prompt's text may have this many characters per token of the target's context, as the gRPC API
+# accepts (orchestrator/servicer.py): tokenizing more could not fit the context anyway.
+PROMPT_CHARS_PER_CONTEXT_TOKEN = 64
 # OpenAI's default for completions; chat defaults to the room left in the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 FINISH_REASONS = {
@@ -53,9 +56,14 @@ class ApiError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error"}.get(
-            self.status, "rate_limit_error" if self.status == 429 else "server_error"
-        )
+        if self.status == 401:
+            kind = "authentication_error"
+        elif self.status == 429:
+            kind = "rate_limit_error"
+        elif self.status < 500:
+            kind = "invalid_request_error"
+        else:
+            kind = "server_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
@@ -130,37 +138,54 @@ def build_request(
     if body.get("num_speculative_tokens") is not None:
         request.num_speculative_tokens = _count(body, "num_speculative_tokens", 0)
     if body.get("speculation_policy") is not None:
-        name = body["speculation_policy"]
-        if name not in POLICY_BY_NAME:
-            raise invalid(f"`speculation_policy` must be one of {', '.join(POLICY_BY_NAME)}", "speculation_policy")
-        request.speculation_policy = POLICY_BY_NAME[name]
+        request.speculation_policy = POLICY_BY_NAME[_choice(body, "speculation_policy", POLICY_BY_NAME)]
     if body.get("draft_method") is not None:
-        name = body["draft_method"]
-        if name not in DRAFT_METHOD_BY_NAME:
-            raise invalid(f"`draft_method` must be one of {', '.join(DRAFT_METHOD_BY_NAME)}", "draft_method")
-        request.draft_method = DRAFT_METHOD_BY_NAME[name]
+        request.draft_method = DRAFT_METHOD_BY_NAME[_choice(body, "draft_method", DRAFT_METHOD_BY_NAME)]
     if body.get("overlap_drafting") is not None:
         if not isinstance(body["overlap_drafting"], bool):
             raise invalid("`overlap_drafting` must be true or false", "overlap_drafting")
         request.overlap_drafting = body["overlap_drafting"]
     request.request_id = request_id
-    stream = body.get("stream") or False
+    stream = body.get("stream")
+    stream = False if stream is None else stream
     if not isinstance(stream, bool):
         raise invalid("`stream` must be true or false", "stream")
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    options = {} if options is None else options
     if not isinstance(options, dict):
         raise invalid("`stream_options` must be an object", "stream_options")
     return Parsed(request, stream, bool(options.get("include_usage")))
 
 
-def completion_prompt(body: dict[str, Any]) -> orchestrator_pb2.GenerateRequest:
-    """The prompt of /v1/completions: a string, or token ids (one prompt only)."""
+def _choice(body: dict[str, Any], name: str, allowed: dict[str, Any]) -> str:
+    value = body[name]
+    if not isinstance(value, str) or value not in allowed:
+        raise invalid(f"`{name}` must be one of {', '.join(allowed)}; got {value!r}", name)
+    return value
+
+
+def completion_prompt(body: dict[str, Any], vocab_size: int, max_context: int) -> orchestrator_pb2.GenerateRequest:
+    """The prompt of /v1/completions: a string (of at most 64 characters per context token, as the gRPC
+    API accepts), or token ids (one prompt only), each checked against the vocabulary and their count
+    against the context."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
+        most = max_context * PROMPT_CHARS_PER_CONTEXT_TOKEN
+        if len(prompt) > most:
+            raise invalid(
+                f"`prompt` has {len(prompt)} characters; at most {most} are accepted for a context of "
+                f"{max_context} tokens",
+                "prompt",
+            )
         return orchestrator_pb2.GenerateRequest(text=prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if len(prompt) >= max_context:
+            raise invalid(f"`prompt` has {len(prompt)} token ids; the context holds {max_context}", "prompt")
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise invalid(f"`prompt` holds the token id {bad}; ids must be in [0, {vocab_size})", "prompt")
         return orchestrator_pb2.GenerateRequest(token_ids=orchestrator_pb2.TokenIds(ids=prompt))
     raise invalid("`prompt` must be a non-empty string or list of token ids (one prompt per request)", "prompt")
 

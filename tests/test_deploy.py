@@ -99,7 +99,8 @@ def test_probes_use_grpc_or_http_health_on_a_container_port(rendered):
             env = {e["name"]: e.get("value") for e in container["env"]}
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 if component(deployment) == "gateway":
-                    assert container[probe]["httpGet"]["path"] == "/health"
+                    # Readiness follows the orchestrator; liveness and start-up are the gateway's own.
+                    assert container[probe]["httpGet"]["path"] == ("/ready" if probe == "readinessProbe" else "/health")
                     assert container[probe]["httpGet"]["port"] in names
                     assert (container[probe]["httpGet"].get("scheme") == "HTTPS") == ("SPECDEC_TLS_CERT" in env)
                     continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx2 as httpx
@@ -13,10 +14,9 @@ import pytest
 import uvicorn
 from transformers import AutoTokenizer
 
-from http_gateway.__main__ import GatewayConfig, connect
-from http_gateway.app import create_app, render_chat
+from http_gateway.__main__ import GatewayConfig, connect, server_config
+from http_gateway.app import render_chat
 from http_gateway.openai_api import ApiError
-from serving.security import ApiKeys
 from specdec.v1 import orchestrator_pb2
 from tests.conftest import collect, wait_until
 from tests.servers import LOOPBACK, OrchestratorThread, orchestrator_config
@@ -34,9 +34,8 @@ class GatewayThread:
         self.thread.start()
         self.channel, upstream = asyncio.run_coroutine_threadsafe(connect(config), self.loop).result(60)
         self.model = upstream.model
-        keys = ApiKeys(config.api_key_file) if config.api_key_file else None
-        server_config = uvicorn.Config(create_app(upstream, keys), host=LOOPBACK, port=config.port, log_level="warning")
-        self.server = uvicorn.Server(server_config)
+        self.upstream = upstream
+        self.server = uvicorn.Server(server_config(replace(config, host=LOOPBACK, log_level="warning"), upstream))
         self.serving = asyncio.run_coroutine_threadsafe(self.server.serve(), self.loop)
         assert wait_until(lambda: self.server.started, timeout_s=20)
         self.base_url = f"http://{LOOPBACK}:{config.port}"
