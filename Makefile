@@ -10,7 +10,7 @@ PAIR ?= default_models/pair
 PROMPT ?= def fibonacci(n):
 HOST ?= 127.0.0.1
 
-.PHONY: setup proto lint test matrix run bench load-bench gpu-bench soak wheel models evaluate clean
+.PHONY: setup proto lint test matrix run bench load-bench gpu-bench soak wheel image python-base image-test models evaluate clean
 
 setup: $(INSTALLED) $(GENERATED)
 
@@ -68,6 +68,21 @@ soak: setup
 # The installable wheel (gRPC code generated into it), in dist/.
 wheel: setup
 	$(PY) -m pip wheel . --no-deps --no-build-isolation -w dist
+
+# The container image (deploy/Dockerfile) with podman, or docker where its daemon answers. VARIANT=cpu or
+# cuda; PYTHON_IMAGE is the base: the public python:3.11-slim-bookworm unless named (make python-base
+# builds a local stand-in where registries cannot be reached).
+VARIANT ?= cpu
+PYTHON_IMAGE ?= python:3.11-slim-bookworm
+image: setup
+	$(PY) deploy/image/image.py build --variant $(VARIANT) --python-image $(PYTHON_IMAGE)
+
+python-base:
+	deploy/image/python-base.sh localhost/specdec-python:3.11-bookworm
+
+# Build the CPU image and run it as the Kubernetes base deploys it (needs root and podman; minutes).
+image-test: setup
+	$(PY) deploy/image/image.py test --python-image $(PYTHON_IMAGE)
 
 # Retrain the default pair (about 2.5 hours on 2 CPU cores), then measure it and write its model card.
 models: setup

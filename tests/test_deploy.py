@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shutil
@@ -266,3 +267,45 @@ def test_the_image_keeps_the_default_pair_where_the_config_points():
     config = of_kind(render("cpu"), "ConfigMap")[0]["data"]
     assert config["target_model"].startswith("/opt/specdec/default_models/pair/")
     assert "/opt/specdec/default_models" in text
+
+
+def _image_module() -> Any:
+    """deploy/image/image.py, which is a script, not a package."""
+    spec = importlib.util.spec_from_file_location("deploy_image", DEPLOY / "image" / "image.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_image_test_runs_the_containers_with_the_manifests_arguments():
+    """`make image-test` starts each container with what the cpu overlay gives its pod: the args, every
+    environment variable (ConfigMap keys resolved), the user, the read-only root, /tmp, the ports."""
+    image = _image_module()
+    objects = render("cpu")
+    containers = image.containers_from_manifests(objects)
+    config = next(o for o in objects if o["kind"] == "ConfigMap")["data"]
+    deployments = of_kind(objects, "Deployment")
+    assert set(containers) == {component(d) for d in deployments} == set(image.ROLES)
+    for deployment in deployments:
+        pod = deployment["spec"]["template"]["spec"]
+        (spec,) = pod["containers"]
+        command = containers[component(deployment)].run_arguments("IMAGE")
+        at = command.index("IMAGE")
+        assert command[at + 1 :] == spec["args"]
+        assert command[command.index("--name") + 1] == deployment["metadata"]["name"]
+        passed = {command[i + 1] for i, word in enumerate(command[:at]) if word == "--env"}
+        for variable in spec["env"]:
+            value = variable.get("value")
+            if value is None:
+                value = config[variable["valueFrom"]["configMapKeyRef"]["key"]]
+            assert f"{variable['name']}={value}" in passed, variable
+        assert len(passed) == len(spec["env"])
+        security = {**pod["securityContext"], **spec.get("securityContext", {})}
+        assert command[command.index("--user") + 1] == f"{security['runAsUser']}:{security['runAsGroup']}"
+        assert ("--read-only" in command) == bool(security.get("readOnlyRootFilesystem")) is True
+        mounts = {m["mountPath"] for m in spec.get("volumeMounts", [])}
+        assert "/tmp" in mounts and "/tmp:rw,mode=1777" in command
+        published = {command[i + 1] for i, word in enumerate(command[:at]) if word == "--publish"}
+        assert published == {f"127.0.0.1::{p['containerPort']}" for p in spec["ports"]}
