@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
 from model_host.attention import FULL, SLIDING, AttentionLayout
-from model_host.forward import CHECK_ERRORS, TOLERANCE, Forward, RowLogits, disagreement, split_logits
+from model_host.forward import CHECK_ERRORS, Forward, RowLogits, disagreement, split_logits, tolerance
 from model_host.kv_slots import BatchView, Row, SlotStore
 
 log = structlog.get_logger(__name__)
@@ -91,7 +91,7 @@ class LeanDraft(Forward):
         except CHECK_ERRORS as exc:
             log.warning("lean_draft_unavailable", reason=f"{type(exc).__name__}: {exc}")
             return None
-        if error >= TOLERANCE:
+        if error >= tolerance(store.dtype):
             log.warning(
                 "lean_draft_unavailable",
                 reason=f"differs from the model's own forward by {error:.2g} of the largest logit",

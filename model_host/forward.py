@@ -29,8 +29,19 @@ from model_host.kv_slots import BatchView, Row, SlotStore
 log = structlog.get_logger(__name__)
 
 RowLogits = list[torch.Tensor | None]  # per row: [num_logits, vocab], or None when num_logits is 0
-# What the start-up check tolerates between a forward and the model's own: relative to the largest logit.
+# What the start-up check tolerates between a forward and the model's own, relative to the largest
+# logit: float32's rounding stays far below it, and a forward that misreads the model (a window ignored)
+# is off by 0.4 to 1.7 on the architecture matrix.
 TOLERANCE = 1e-3
+# In lower precisions a stepped forward and one over the whole sequence round apart by a few units of
+# the dtype's resolution (bfloat16, tiny matrix: 0.003 to 0.012; a window ignored: 0.36 to 1.0).
+_RESOLUTION_UNITS = 8
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """The start-up check's tolerance for a model in `dtype`: 1e-3, or 8 units of the dtype's
+    resolution where that is coarser (bfloat16 0.0625, float16 0.0078)."""
+    return max(TOLERANCE, _RESOLUTION_UNITS * torch.finfo(dtype).eps)
 
 
 class ModelNotServable(ValueError):
@@ -253,13 +264,14 @@ def choose_forward(model: PreTrainedModel, store: SlotStore, prefill_chunk: int 
     layout = AttentionLayout.of(model.config)
     context = store.max_capacity - 1
     features = _features(model, layout)
+    allowed = tolerance(store.dtype)
     if len({str(p.device) for p in model.parameters()}) > 1:
         reason = "the model is spread over several devices (device_map=auto)"
     else:
         try:
             batched = BatchedForward(model, store, layout)
             error = disagreement(batched, model, layout, context, prefill_chunk)
-            if error < TOLERANCE:
+            if error < allowed:
                 return batched
             reason = f"its logits differ from the model's own forward by {error:.2g} of the largest logit"
         except CHECK_ERRORS as exc:
@@ -269,7 +281,7 @@ def choose_forward(model: PreTrainedModel, store: SlotStore, prefill_chunk: int 
         error = disagreement(serial, model, layout, context, prefill_chunk)
     except CHECK_ERRORS as exc:
         raise _not_servable(layout, features, f"rolling its cache back fails ({type(exc).__name__}: {exc})") from exc
-    if error >= TOLERANCE:
+    if error >= allowed:
         raise _not_servable(
             layout, features, f"stepping and rolling back its own cache gives logits {error:.2g} away from its forward"
         )

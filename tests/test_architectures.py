@@ -44,6 +44,7 @@ from model_host.forward import (
     SerialForward,
     choose_forward,
     disagreement,
+    tolerance,
 )
 from model_host.kv_slots import Row, SlotStore
 from model_host.loading import LoadedModel
@@ -158,6 +159,19 @@ def test_the_start_up_check_sees_a_window_that_is_ignored(family):
     blind = BatchedForward(target, _store(), AttentionLayout(tuple(GLOBAL for _ in layout.layers)))
     assert disagreement(blind, target, layout, CONTEXT, 512) > 100 * TOLERANCE
     assert disagreement(BatchedForward(target, _store()), target, layout, CONTEXT, 512) < TOLERANCE
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-window", "gemma3-text"])
+def test_in_bfloat16_the_batched_forward_is_chosen_and_an_ignored_window_still_caught(family):
+    """bfloat16 rounds a stepped forward and a whole one apart by a few units of its resolution (the
+    check's tolerance scales with it); a forward that ignores a window is off by far more."""
+    target = build(FAMILIES[family])[0].to(torch.bfloat16)
+    store = SlotStore(torch.device("cpu"), torch.bfloat16, CONTEXT)
+    assert isinstance(choose_forward(target, store), BatchedForward)
+    layout = AttentionLayout.of(target.config)
+    if any(layer.span for layer in layout.layers):
+        blind = BatchedForward(target, store, AttentionLayout(tuple(GLOBAL for _ in layout.layers)))
+        assert disagreement(blind, target, layout, CONTEXT, 512) > 4 * tolerance(torch.bfloat16)
 
 
 def test_the_fallback_rolls_back_across_the_window_and_profiles():
