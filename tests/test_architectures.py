@@ -17,12 +17,11 @@ family.
 from __future__ import annotations
 
 import random
-import threading
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -50,11 +49,11 @@ from model_host.kv_slots import Row, SlotStore
 from model_host.loading import LoadedModel
 from model_host.profile import forward_costs
 from model_host.runtime import ModelServer, start_model_server
-from specdec.v1 import orchestrator_pb2
+from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from target_service.servicer import SERVICE_NAME as TARGET_SERVICE
 from target_service.servicer import TargetServicer
 from target_service.servicer import register as register_target
-from tests.architectures import CONTEXT, FAMILIES, VOCAB, WINDOW, Family, build, save_pair
+from tests.architectures import CONTEXT, FAMILIES, VOCAB, WINDOW, build, save_pair
 from tests.conftest import collect, hf_greedy
 from tests.servers import SERVICE_DEFAULTS, OrchestratorThread, load, orchestrator_config
 from tests.test_greedy_exactness import logit_gap
@@ -240,13 +239,13 @@ class Stack:
 
 
 def _serve(loaded: LoadedModel, servicer_class: type, register: object, name: str) -> ModelServer:
-    config = SERVICE_DEFAULTS.__class__(**{**SERVICE_DEFAULTS.__dict__, "model": loaded.model_id, "max_sessions": 32})
+    config = replace(SERVICE_DEFAULTS, model=loaded.model_id, max_sessions=32)
     return start_model_server(servicer_class(loaded, config), register, name, config)  # type: ignore[arg-type]
 
 
 @contextmanager
-def _stack(family: Family, root: Path, serial: bool) -> Iterator[Stack]:
-    target_path, draft_path = save_pair(family, root)
+def _stack(target_path: Path, draft_path: Path, serial: bool = False) -> Iterator[Stack]:
+    """Target, draft and orchestrator over these checkpoints; `serial` forces the fallback."""
     target, draft = load(target_path), load(draft_path)
     target_server = _serve(target, SerialTarget if serial else TargetServicer, register_target, TARGET_SERVICE)
     draft_server = _serve(draft, SerialDraft if serial else DraftServicer, register_draft, DRAFT_SERVICE)
@@ -289,7 +288,7 @@ def _compare(stack: Stack, prompt: list[int], got: list[int], expected: list[int
 @pytest.mark.parametrize(("family", "serial"), _served())
 def test_greedy_output_equals_the_target_alone_through_the_services(family, serial, tmp_path):
     spec = FAMILIES[family]
-    with _stack(spec, tmp_path, serial) as stack:
+    with _stack(*save_pair(spec, tmp_path), serial) as stack:
         if serial or family in SERIAL_ONLY:
             assert stack.forwards == ("serial", "serial"), stack.forwards
         else:
@@ -336,13 +335,9 @@ def test_sampled_outputs_of_a_sliding_window_target_follow_its_distribution(tmp_
     for model, name in ((target, "target"), (draft, "draft")):
         model.save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
-    target_loaded, draft_loaded = load(tmp_path / "target"), load(tmp_path / "draft")
-    target_server = _serve(target_loaded, TargetServicer, register_target, TARGET_SERVICE)
-    draft_server = _serve(draft_loaded, DraftServicer, register_draft, DRAFT_SERVICE)
-    orchestrator = OrchestratorThread(orchestrator_config(target_server, draft_server))
-    drafted = threading.Lock(), [0, 0]  # accepted, drafted
 
-    def two_tokens(seed: int) -> tuple[int, ...]:
+    def two_tokens(stub: orchestrator_pb2_grpc.OrchestratorStub, seed: int) -> tuple[tuple[int, ...], int, int]:
+        """The output, and the tokens accepted and drafted."""
         request = orchestrator_pb2.GenerateRequest(
             token_ids=orchestrator_pb2.TokenIds(ids=SAMPLED_PROMPT),
             max_new_tokens=2,
@@ -352,21 +347,15 @@ def test_sampled_outputs_of_a_sliding_window_target_follow_its_distribution(tmp_
             speculation_policy=orchestrator_pb2.SPECULATION_POLICY_FIXED,
             overlap_drafting=False,
         )
-        ids, _, last = collect(orchestrator.stub, request)
-        with drafted[0]:
-            drafted[1][0] += last.stats.accepted_tokens
-            drafted[1][1] += last.stats.draft_tokens
-        return tuple(ids)
+        ids, _, last = collect(stub, request)
+        return tuple(ids), last.stats.accepted_tokens, last.stats.draft_tokens
 
-    try:
-        assert target_server.servicer.engine.forward.name == "batched"
-        with ThreadPoolExecutor(8) as pool:
-            counts = Counter(pool.map(two_tokens, range(SAMPLES)))
-    finally:
-        orchestrator.stop()
-        draft_server.stop()
-        target_server.stop()
-    assert drafted[1][1] > 0 and 0 < drafted[1][0] < drafted[1][1], drafted[1]  # proposals accepted and rejected
+    with _stack(tmp_path / "target", tmp_path / "draft") as stack, ThreadPoolExecutor(8) as pool:
+        assert stack.forwards[0] == "batched"
+        results = list(pool.map(lambda seed: two_tokens(stack.orchestrator.stub, seed), range(SAMPLES)))
+    counts = Counter(output for output, _, _ in results)
+    accepted, drafted = sum(r[1] for r in results), sum(r[2] for r in results)
+    assert 0 < accepted < drafted, (accepted, drafted)  # proposals accepted and rejected
 
     def distribution(model: torch.nn.Module) -> dict[tuple[int, ...], float]:
         with torch.no_grad():
