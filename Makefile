@@ -10,7 +10,7 @@ PAIR ?= default_models/pair
 PROMPT ?= def fibonacci(n):
 HOST ?= 127.0.0.1
 
-.PHONY: setup proto lint test matrix run bench load-bench gpu-bench soak wheel image python-base image-test models evaluate clean
+.PHONY: setup proto lint test test-long matrix run bench load-bench gpu-bench soak wheel image python-base image-test models evaluate clean
 
 setup: $(INSTALLED) $(GENERATED)
 
@@ -36,6 +36,12 @@ lint: setup
 
 test: lint
 	$(PY) -m pytest -q tests
+
+# The long runs make test leaves out (pytest's `slow` marker): the 20,000-sample distribution tests, the
+# one-minute soak, the wheel installed into a fresh environment, three hosts in network namespaces,
+# bfloat16, the GPU script on tiny shapes. CI runs them after make test.
+test-long: setup
+	$(PY) -m pytest -q tests -m slow
 
 # Every architecture family of tests/architectures.py through the three services, batched and in the
 # fallback (make test serves a subset of them).

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from bench import gpu
@@ -62,6 +63,7 @@ def test_differing_outputs_counts_requests_against_the_same_stacks_baseline() ->
     assert differing_outputs(samples, gpu.BASELINES) == 1
 
 
+@pytest.mark.slow
 def test_the_script_runs_end_to_end_with_tiny_shapes(tmp_path: Path) -> None:
     assert (
         gpu.main(["--tiny", "--device", "cpu", "--concurrency", "1,2", "--max-new-tokens", "6", "--out", str(tmp_path)])

@@ -109,6 +109,7 @@ def _start_hosts(
     return processes
 
 
+@pytest.mark.slow
 def test_generation_across_three_hosts(hosts, tiny_pair, tmp_path: Path):
     target_address = f"{LINKS['target'][1]}:{PORT}"
     orchestrator_address = f"{LINKS['client'][0]}:{PORT}"
@@ -133,6 +134,7 @@ def test_generation_across_three_hosts(hosts, tiny_pair, tmp_path: Path):
         stop_processes(processes)
 
 
+@pytest.mark.slow
 def test_the_draft_link_going_down_mid_generation_leaves_the_output_exact(hosts, tiny_pair, target_model, tmp_path):
     """The draft host's link is taken down mid-generation: the request finishes on the target alone, with
     the target's own tokens."""
