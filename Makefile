@@ -39,7 +39,8 @@ test: lint
 
 # The long runs make test leaves out (pytest's `slow` marker): the 20,000-sample distribution tests, the
 # one-minute soak, the wheel installed into a fresh environment, three hosts in network namespaces,
-# bfloat16, the GPU script on tiny shapes. CI runs them after make test.
+# bfloat16, the GPU script on tiny shapes, greedy identity with an unrelated draft at K = 4 and 8. CI runs
+# them after make test.
 test-long: setup
 	$(PY) -m pytest -q tests -m slow
 

@@ -38,8 +38,17 @@ def _explain(model: LoadedModel, prompt: list[int], expected: list[int], got: li
     return f"first difference at output {first}: expected {expected[first]}, got {got[first]}; logit gap {gap:.3g}"
 
 
-@pytest.mark.parametrize("draft", ["close", "random"])
-@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def _draft_and_k() -> list:
+    """Every K with each draft; the unrelated draft's longest blocks (mostly rejected, the slowest
+    cases) run in make test-long."""
+    return [
+        pytest.param(draft, k, marks=pytest.mark.slow if draft == "random" and k >= 4 else (), id=f"{k}-{draft}")
+        for draft in ("close", "random")
+        for k in (1, 2, 4, 8)
+    ]
+
+
+@pytest.mark.parametrize(("draft", "k"), _draft_and_k())
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_identical_to_target_generate(orchestrators, target_model, references, draft, k, overlap):
     stub = orchestrators[draft].stub
