@@ -62,32 +62,49 @@ def builder() -> str:
     raise SystemExit("image: needs podman (apt-get install podman buildah runc iptables) or a running docker daemon")
 
 
-def pip_locations() -> tuple[list[Path], str | None]:
+@dataclass(frozen=True)
+class PipLocations:
+    """What the build mounts of this machine's pip configuration."""
+
+    files: list[Path]  # configuration files and the local folders, indexes and constraints they name
+    certificates: list[Path]  # CA bundles pip is told to trust (a proxy's CA may be among them)
+    index: str | None  # the first local index (file://)
+
+    @property
+    def mounts(self) -> list[Path]:
+        return sorted({*self.files, *self.certificates})
+
+
+def pip_locations() -> PipLocations:
     """This machine's pip configuration files and the local paths they name (folders of wheels,
-    file:// indexes, constraint files), and the first local index."""
+    file:// indexes, constraint files, CA bundles), and the first local index."""
     debug = subprocess.run(
         [sys.executable, "-m", "pip", "config", "debug"], capture_output=True, text=True, check=False
     ).stdout
-    paths: list[Path] = []
+    files: set[Path] = set()
+    certificates: set[Path] = set()
     index = None
     for line in debug.splitlines():
         line = line.strip()
         if line.endswith(", exists: True"):
-            paths.append(Path(line.removesuffix(", exists: True")))
+            files.add(Path(line.removesuffix(", exists: True")))
             continue
         if ":" not in line:
             continue
         key, _, value = line.partition(": ")
-        if key.endswith("cert"):
-            continue  # the image trusts its own CA bundle
         for token in value.strip("'\"").split():
             location = token.removeprefix("file://")
-            if location.startswith("/") and Path(location).exists():
-                # A local index's pages link to files beside it (/opt/pypi/simple -> /opt/pypi/files).
-                paths.append(Path(location).parent if token.startswith("file://") else Path(location))
-                if token.startswith("file://") and "index-url" in key and index is None:
+            if not (location.startswith("/") and Path(location).exists()):
+                continue
+            if key.endswith("cert"):
+                certificates.add(Path(location))  # mounted over the image's own bundle for RUN steps only
+            elif token.startswith("file://"):
+                files.add(Path(location).parent)  # an index's pages link to files beside it
+                if "index-url" in key and index is None:
                     index = token
-    return sorted(set(paths)), index
+            else:
+                files.add(Path(location))
+    return PipLocations(sorted(files), sorted(certificates), index)
 
 
 def build(variant: str, tag: str, python_image: str, torch_index: str | None = None) -> None:
@@ -95,9 +112,9 @@ def build(variant: str, tag: str, python_image: str, torch_index: str | None = N
     command = [tool, "build", "-f", str(ROOT / "deploy" / "Dockerfile"), "-t", tag]
     command += ["--build-arg", f"VARIANT={variant}", "--build-arg", f"PYTHON_IMAGE={python_image}"]
     if tool == "podman":
-        mounts, local_index = pip_locations()
-        command += ["--network", "host"] + [f"--volume={p}:{p}:ro" for p in mounts]
-        torch_index = torch_index or local_index
+        pip = pip_locations()
+        command += ["--network", "host"] + [f"--volume={p}:{p}:ro" for p in pip.mounts]
+        torch_index = torch_index or pip.index
     if torch_index:
         command += ["--build-arg", f"TORCH_CPU_INDEX={torch_index}"]
     started = time.perf_counter()
@@ -268,9 +285,9 @@ print("no file of the build's pip configuration or local indexes in the image")
 def _check_user_and_root(tool: str, image: str) -> None:
     _run([tool, "run", "--rm", "--read-only", "--tmpfs", "/tmp:rw,mode=1777", "--entrypoint", "python", image,
           "-c", _USER_AND_ROOT])  # fmt: skip
-    mounts, _ = pip_locations()
+    # The CA bundle's path is the image's own file too, so it is not among those checked.
     _run([tool, "run", "--rm", "--user", "0", "--entrypoint", "python", image, "-c", _NO_BUILD_FILES,
-          *map(str, mounts)])  # fmt: skip
+          *map(str, pip_locations().files)])  # fmt: skip
 
 
 @contextmanager
