@@ -31,7 +31,7 @@ import psutil
 
 from bench.gateway import running_gateway
 from http_gateway.limits import default_max_body_bytes
-from http_gateway.openai_api import PROMPT_CHARS_PER_CONTEXT_TOKEN
+from serving.protocol import MAX_PROMPT_CHARS_PER_TOKEN
 from tools.local_stack import DEFAULT_PAIR, LOOPBACK, LocalStack
 
 GOOD = {"prompt": "def fibonacci(n):", "max_tokens": 16, "temperature": 0}
@@ -105,7 +105,7 @@ def _loads(port: int, context: int) -> dict[str, Load]:
     under = json.dumps(GOOD).encode()
     under += b" " * (limit - len(under))
     big_chat = json.dumps({"messages": [{"role": "user", "content": "x " * 5_000_000}]}).encode()
-    at_limit = "word " * (context * PROMPT_CHARS_PER_CONTEXT_TOKEN // 5 - 4)
+    at_limit = "word " * (context * MAX_PROMPT_CHARS_PER_TOKEN // 5 - 4)
     chat = json.dumps({"messages": [{"role": "user", "content": at_limit}], "max_tokens": 1}).encode()
     return {
         "4 x 50 MB bodies": _big_bodies,

@@ -82,10 +82,11 @@ class LeanDraft(Forward):
             return None
         if len({str(p.device) for p in model.parameters()}) > 1:
             return None  # spread over devices by device_map="auto": keep the model's own forward
+        layout = AttentionLayout.of(config)
+        if not {layer.layer_type for layer in layout.layers} <= LAYER_TYPES:
+            log.warning("lean_draft_unavailable", reason=f"attention: {layout.describe()}")
+            return None  # before fusing the model's projections for a forward that will not run
         lean = cls(model, store)
-        if not {layer.layer_type for layer in lean.layout.layers} <= LAYER_TYPES:
-            log.warning("lean_draft_unavailable", reason=f"attention: {lean.layout.describe()}")
-            return None
         try:
             error = disagreement(lean, model, lean.layout, store.max_capacity - 1, prefill_chunk)
         except CHECK_ERRORS as exc:

@@ -11,6 +11,7 @@ that names its cause; bodies are bounded and parsed off the event loop (http_gat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -31,7 +32,6 @@ from http_gateway.openai_api import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     EXTENSION_FIELDS,
     FINISH_REASONS,
-    PROMPT_CHARS_PER_CONTEXT_TOKEN,
     ApiError,
     Parsed,
     build_request,
@@ -42,6 +42,7 @@ from http_gateway.openai_api import (
     stats_extension,
     usage,
 )
+from serving.protocol import MAX_PROMPT_CHARS_PER_TOKEN
 from serving.security import ApiKeys
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -253,11 +254,9 @@ def create_app(upstream: Upstream, limits: RequestLimits, api_keys: ApiKeys | No
         """Readiness: the orchestrator answers its health check as SERVING."""
         serving = False
         if upstream.health is not None:
-            try:
+            with contextlib.suppress(grpc.aio.AioRpcError):
                 answer = await upstream.health.Check(health_pb2.HealthCheckRequest(), timeout=_READY_TIMEOUT_S)
                 serving = answer.status == health_pb2.HealthCheckResponse.SERVING
-            except grpc.aio.AioRpcError:
-                serving = False
         if serving:
             return JSONResponse({"status": "ready", "model": upstream.model})
         error = ApiError(
@@ -293,7 +292,7 @@ def create_app(upstream: Upstream, limits: RequestLimits, api_keys: ApiKeys | No
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         metadata, body = await accepted(request, "messages")
-        messages = check_messages(body.get("messages"), context * PROMPT_CHARS_PER_CONTEXT_TOKEN)
+        messages = check_messages(body.get("messages"), context * MAX_PROMPT_CHARS_PER_TOKEN)
         prompt_ids = await asyncio.to_thread(render_chat, upstream.tokenizer, messages)
         room = context - len(prompt_ids)
         if room < 1:

@@ -22,7 +22,8 @@ import h11
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from http_gateway.openai_api import PROMPT_CHARS_PER_CONTEXT_TOKEN, ApiError
+from http_gateway.openai_api import ApiError
+from serving.protocol import MAX_PROMPT_CHARS_PER_TOKEN
 
 # A character of a prompt takes at most 12 bytes of JSON (a UTF-16 surrogate pair written as two
 # \uXXXX escapes).
@@ -35,7 +36,7 @@ _REFUSED_LINGER_S = 1.0
 def default_max_body_bytes(max_context: int) -> int:
     """The longest body the orchestrator could accept: a prompt at its limit, written at JSON's most
     verbose, and room for the other fields."""
-    return max_context * PROMPT_CHARS_PER_CONTEXT_TOKEN * _JSON_BYTES_PER_CHAR + _BODY_SLACK_BYTES
+    return max_context * MAX_PROMPT_CHARS_PER_TOKEN * _JSON_BYTES_PER_CHAR + _BODY_SLACK_BYTES
 
 
 def default_max_connections() -> int:

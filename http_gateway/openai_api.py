@@ -14,12 +14,9 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
-from serving.protocol import DRAFT_METHOD_BY_NAME, POLICY_BY_NAME
+from serving.protocol import DRAFT_METHOD_BY_NAME, MAX_PROMPT_CHARS_PER_TOKEN, POLICY_BY_NAME
 from specdec.v1 import orchestrator_pb2
 
-# A prompt's text may have this many characters per token of the target's context, as the gRPC API
-# accepts (orchestrator/servicer.py): tokenizing more could not fit the context anyway.
-PROMPT_CHARS_PER_CONTEXT_TOKEN = 64
 # OpenAI's default for completions; chat defaults to the room left in the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 FINISH_REASONS = {
@@ -172,7 +169,7 @@ def completion_prompt(body: dict[str, Any], vocab_size: int, max_context: int) -
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        most = max_context * PROMPT_CHARS_PER_CONTEXT_TOKEN
+        most = max_context * MAX_PROMPT_CHARS_PER_TOKEN
         if len(prompt) > most:
             raise invalid(
                 f"`prompt` has {len(prompt)} characters; at most {most} are accepted for a context of "

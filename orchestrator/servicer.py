@@ -35,6 +35,7 @@ from serving.protocol import (
     DRAFT_METHOD_BY_ENUM,
     DRAFT_METHOD_BY_NAME,
     DRAFT_METHODS,
+    MAX_PROMPT_CHARS_PER_TOKEN,
     POLICIES,
     POLICY_BY_ENUM,
     POLICY_BY_NAME,
@@ -50,9 +51,6 @@ SERVICE_NAME = "specdec.v1.Orchestrator"
 _MAX_STOP_STRINGS = 16
 _MAX_STOP_CHARS = 256
 _MAX_REQUEST_ID_CHARS = 128
-# A prompt's text may be at most this many characters per token of the target's context: any text
-# that could fit is far shorter, and a longer one is refused before it costs a tokenizer pass.
-_MAX_PROMPT_CHARS_PER_TOKEN = 64
 _INFO_POLL_S = 0.5
 
 
@@ -221,7 +219,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         which = request.WhichOneof("prompt")
         context = self.target_info.max_context
         if which == "text":
-            most = context * _MAX_PROMPT_CHARS_PER_TOKEN
+            most = context * MAX_PROMPT_CHARS_PER_TOKEN
             if len(request.text) > most:
                 raise invalid_argument(
                     f"the prompt text has {len(request.text)} characters; at most {most} are accepted for a "

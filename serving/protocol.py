@@ -7,6 +7,11 @@ from specdec.v1 import orchestrator_pb2
 # gRPC metadata key carrying a request's id from the orchestrator to both model services.
 REQUEST_ID_METADATA = "x-request-id"
 
+# A prompt's text may be at most this many characters per token of the target's context, in the gRPC
+# API and the gateway alike: any text that could fit is far shorter, and a longer one is refused before
+# it costs a tokenizer pass.
+MAX_PROMPT_CHARS_PER_TOKEN = 64
+
 # Speculation policies by name (flags, configuration, logs) and their wire enum.
 POLICY_BY_NAME: dict[str, orchestrator_pb2.SpeculationPolicy] = {
     "fixed": orchestrator_pb2.SPECULATION_POLICY_FIXED,
