@@ -121,7 +121,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--pair", type=Path, default=Path("default_models/pair"), help="folder with target/ and draft/")
+    parser.add_argument(
+        "--pair",
+        type=Path,
+        default=Path("default_models/pair"),
+        help="folder with target/ and draft/, or `null`: the near-null pair (bench/null_pair.py)",
+    )
+    parser.add_argument(
+        "--placement",
+        choices=("shared", "pinned"),
+        default="shared",
+        help="load mode: pinned puts the target on core 0, the draft and orchestrator on core 1 (1 thread each), "
+        "and Hugging Face's batch on the target's core",
+    )
     parser.add_argument("--target-model", default=None, help="overrides PAIR/target")
     parser.add_argument("--draft-model", default=None, help="overrides PAIR/draft")
     parser.add_argument(
@@ -147,6 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--concurrency", default="", help="load mode: comma-separated client counts, for example 1,2,4,8,16"
     )
     args = parser.parse_args(argv)
+    if str(args.pair) == "null":
+        from bench.null_pair import build_null_pair
+
+        args.pair = build_null_pair(args.out / "null_pair")
     args.target_model = args.target_model or str(args.pair / "target")
     args.draft_model = args.draft_model or str(args.pair / "draft")
     for path in (args.target_model, args.draft_model):

@@ -29,6 +29,7 @@ from transformers import GenerationConfig
 from model_host.loading import LoadedModel
 from serving.protocol import POLICY_BY_NAME
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from tools.local_stack import LocalStack
 
 
 @dataclass(frozen=True)
@@ -39,13 +40,16 @@ class LoadConfig:
     policy: str = "fixed"
 
 
+HF_BATCH = "HF generate(), padded batch"
 LOAD_CONFIGS = [
     LoadConfig("target alone (K = 0)", "services", 0),
     LoadConfig("specdec fixed K = 2", "services", 2),
+    LoadConfig("specdec fixed K = 4", "services", 4),
     LoadConfig("specdec load-aware", "services", None, "load_aware"),
-    LoadConfig("HF generate(), padded batch", "hf_batch"),
+    LoadConfig(HF_BATCH, "hf_batch"),
     LoadConfig("HF generate_batch (continuous batching)", "hf_cb"),
 ]
+HF_BATCH = "HF generate(), padded batch"
 
 
 @dataclass
@@ -62,6 +66,10 @@ class LoadSample:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     probe_rounds: int = 0  # K = 0 rounds that asked the draft for one token beside the target's step
+    rounds: int = 0  # target session steps, over all requests
+    other_ms_per_round: list[float] = field(default_factory=list)  # per request: wall outside the forwards
+    cpu_seconds: dict[str, float] = field(default_factory=dict)  # by process, over the run
+    forward_seconds: dict[str, float] = field(default_factory=dict)  # by service: its engine's forwards
     token_ids: list[list[int]] = field(default_factory=list)
 
     @property
@@ -88,6 +96,11 @@ async def _client(
                 sample.draft_tokens += message.stats.draft_tokens
                 sample.accepted_tokens += message.stats.accepted_tokens
                 sample.probe_rounds += message.stats.probe_rounds
+                stats = message.stats
+                sample.rounds += stats.rounds
+                if stats.rounds:
+                    outside = stats.total_seconds - stats.target_seconds - stats.draft_seconds
+                    sample.other_ms_per_round.append(1000 * max(0.0, outside) / stats.rounds)
         sample.tokens += len(ids)
         sample.token_ids.append(ids)
 
@@ -174,6 +187,11 @@ def summarise_load(
                 for s in runs
                 if (base := by_key.get((baseline_of(name, baselines), concurrency, s.rep)))
             ]
+            hf = [
+                s.tokens_per_second / base.tokens_per_second
+                for s in runs
+                if (base := by_key.get((HF_BATCH, concurrency, s.rep)))
+            ]
             ttft = [t for s in runs for t in s.ttft]
             itl = [t for s in runs for t in s.itl]
             drafted = sum(s.draft_tokens for s in runs)
@@ -183,6 +201,7 @@ def summarise_load(
                     "config": name,
                     "tokens_per_second": statistics.median(s.tokens_per_second for s in runs),
                     "x_target_alone": statistics.median(ratios) if ratios else 0.0,
+                    "x_hf_batch": statistics.median(hf) if hf else 0.0,
                     "ttft_p50_s": percentile(ttft, 0.5),
                     "ttft_p99_s": percentile(ttft, 0.99),
                     "itl_p50_s": percentile(itl, 0.5),
@@ -191,25 +210,58 @@ def summarise_load(
                     "draft_tokens_per_output_token": drafted / max(1, sum(s.tokens for s in runs)),
                     "probe_rounds_per_output_token": sum(s.probe_rounds for s in runs)
                     / max(1, sum(s.tokens for s in runs)),
+                    "ttft_median_s": statistics.median(ttft) if ttft else 0.0,
+                    **_cpu_per_step(runs),
                 }
             )
     return rows
 
 
+def _cpu_per_step(runs: list[LoadSample]) -> dict[str, float]:
+    """Microseconds of CPU per target session-step: the orchestrator's, and each model service's
+    outside its forwards (CPU minus forward wall: exact with one thread per service); and the median
+    time per step outside the models. Medians over repetitions."""
+    measured = [s for s in runs if s.rounds and s.cpu_seconds]
+    if not measured:
+        return {}
+    row = {
+        "orchestrator_cpu_us_per_step": statistics.median(
+            1e6 * s.cpu_seconds["orchestrator"] / s.rounds for s in measured
+        ),
+        "other_ms_per_step": statistics.median(statistics.median(s.other_ms_per_round) for s in measured),
+    }
+    for service in ("target", "draft"):
+        if all(service in s.cpu_seconds for s in measured):
+            row[f"{service}_cpu_outside_forward_us_per_step"] = statistics.median(
+                1e6 * (s.cpu_seconds[service] - s.forward_seconds.get(service, 0.0)) / s.rounds for s in measured
+            )
+    return row
+
+
 def load_table(rows: list[dict[str, float | str | int]]) -> str:
     lines = [
-        "| C | config | tok/s | x target alone | TTFT p50 / p99 ms | ITL p50 / p99 ms | acceptance | drafted/out |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| C | config | tok/s | x target alone | x HF batch | TTFT p50 / p99 ms | ITL p50 / p99 ms | acceptance "
+        "| orch. CPU µs/step | target / draft CPU outside fwd µs/step | outside models ms/step |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
+        services = " / ".join(
+            f"{float(r[key]):.0f}" if key in r else "-"
+            for key in ("target_cpu_outside_forward_us_per_step", "draft_cpu_outside_forward_us_per_step")
+        )
         lines.append(
             f"| {r['concurrency']} | {r['config']} | {float(r['tokens_per_second']):.0f} | "
-            f"{float(r['x_target_alone']):.2f} | {1000 * float(r['ttft_p50_s']):.0f} / "
-            f"{1000 * float(r['ttft_p99_s']):.0f} | {1000 * float(r['itl_p50_s']):.1f} / "
-            f"{1000 * float(r['itl_p99_s']):.1f} | {float(r['acceptance']):.2f} | "
-            f"{float(r['draft_tokens_per_output_token']):.2f} |"
+            f"{float(r['x_target_alone']):.2f} | {float(r.get('x_hf_batch', 0.0)):.3f} | "
+            f"{1000 * float(r['ttft_p50_s']):.0f} / {1000 * float(r['ttft_p99_s']):.0f} | "
+            f"{1000 * float(r['itl_p50_s']):.1f} / {1000 * float(r['itl_p99_s']):.1f} | "
+            f"{float(r['acceptance']):.2f} | {_fmt(r, 'orchestrator_cpu_us_per_step', '.0f')} | {services} | "
+            f"{_fmt(r, 'other_ms_per_step', '.2f')} |"
         )
     return "\n".join(lines)
+
+
+def _fmt(row: dict[str, float | str | int], key: str, spec: str) -> str:
+    return format(float(row[key]), spec) if key in row else "-"
 
 
 def plot_load(rows: list[dict[str, float | str | int]], out: Path) -> Path:
@@ -239,34 +291,85 @@ def plot_load(rows: list[dict[str, float | str | int]], out: Path) -> Path:
     return path
 
 
+def _process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) a process has used, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _forward_seconds(port: int) -> dict[str, float]:
+    """Each model service's engine forward wall so far, from its Prometheus port."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("specdec:engine_forward_seconds_sum{"):
+            service = line.split('service="')[1].split('"')[0]
+            totals[service] = float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def _usage(stack: LocalStack) -> tuple[dict[str, float], dict[str, float]]:
+    """CPU seconds by process and forward seconds by service, so far."""
+    ports = stack.metrics_ports
+    cpu = {name: _process_cpu(pid) for name, pid in stack.pids.items()}
+    forward: dict[str, float] = {}
+    for name in ("target", "draft"):
+        if name in ports:
+            forward[name] = _forward_seconds(ports[name]).get(name, 0.0)
+    return cpu, forward
+
+
+# --placement pinned: the target on core 0, the draft and the orchestrator on core 1, one torch thread
+# each; Hugging Face's batch runs on the target's core.
+PINNED = {"target": {0}, "draft": {1}, "orchestrator": {1}}
+
+
 def run_load(args: Namespace, prompts_text: list[str]) -> int:
     """The load mode of `python -m bench`."""
     from model_host.loading import load_model
-    from tools.local_stack import LocalStack
 
     concurrencies = [int(c) for c in args.concurrency.split(",") if c]
+    configs = [c for c in LOAD_CONFIGS if not args.only or c.name in {n.strip() for n in args.only.split(",")}]
+    configs = configs or LOAD_CONFIGS
     target = load_model(args.target_model)
     assert target.tokenizer is not None
     prompts = [list(target.tokenizer(text)["input_ids"]) for text in prompts_text]
     samples: list[LoadSample] = []
+    pinned = args.placement == "pinned"
+    threads = 1 if pinned else args.threads
+    bench_cpus = os.sched_getaffinity(0)
     with LocalStack(
         args.target_model,
         args.draft_model,
         log_dir=args.out / "logs",
-        extra_service_args=["--threads", str(args.threads)] if args.threads else [],
+        extra_service_args=["--threads", str(threads)] if threads else [],
+        cpus=PINNED if pinned else {},
+        with_metrics=True,
     ) as stack:
         # Warm-up: every configuration once at the first concurrency, not measured.
-        warm_up = [(0, concurrencies[0], i) for i in range(len(LOAD_CONFIGS))]
-        jobs = [(rep, c, i) for rep in range(args.reps) for c in concurrencies for i in range(len(LOAD_CONFIGS))]
+        warm_up = [(0, concurrencies[0], i) for i in range(len(configs))]
+        jobs = [(rep, c, i) for rep in range(args.reps) for c in concurrencies for i in range(len(configs))]
         for number, (rep, concurrency, index) in enumerate(tqdm([*warm_up, *jobs], desc="load", unit="run")):
-            config = LOAD_CONFIGS[(index + rep) % len(LOAD_CONFIGS)]
+            config = configs[(index + rep) % len(configs)]
             requests = [prompts[i % len(prompts)] for i in range(max(len(prompts), 2 * concurrency))]
             if config.kind == "services":
+                cpu_before, forward_before = _usage(stack)
                 sample = asyncio.run(
                     run_services(stack.orchestrator_address, config, requests, concurrency, rep, args.max_new_tokens)
                 )
+                cpu_after, forward_after = _usage(stack)
+                sample.cpu_seconds = {name: cpu_after[name] - cpu_before[name] for name in cpu_after}
+                sample.forward_seconds = {name: forward_after[name] - forward_before[name] for name in forward_after}
             else:
-                sample = run_hf(target, config, requests, concurrency, rep, args.max_new_tokens)
+                if pinned:
+                    os.sched_setaffinity(0, PINNED["target"])
+                    torch.set_num_threads(1)
+                try:
+                    sample = run_hf(target, config, requests, concurrency, rep, args.max_new_tokens)
+                finally:
+                    os.sched_setaffinity(0, bench_cpus)
             if number >= len(warm_up):
                 samples.append(sample)
     rows = summarise_load(samples, concurrencies)
@@ -279,6 +382,9 @@ def run_load(args: Namespace, prompts_text: list[str]) -> int:
             {
                 "meta": {
                     "date": stamp,
+                    "target_model": args.target_model,
+                    "draft_model": args.draft_model,
+                    "placement": args.placement,
                     "reps": args.reps,
                     "max_new_tokens": args.max_new_tokens,
                     "prompts": len(prompts),

@@ -71,6 +71,8 @@ class DraftServicer(
 ):
     role = "draft"
     response_type = draft_pb2.DraftResponse
+    result_type = draft_pb2.DraftResult
+    results_type = draft_pb2.DraftResults
 
     def __init__(self, loaded: LoadedModel, config: ModelServiceConfig) -> None:
         self.lean: LeanDraft | None = None
@@ -83,9 +85,9 @@ class DraftServicer(
         return self.lean or super().make_forward()
 
     def Draft(
-        self, request_iterator: AsyncIterator[draft_pb2.DraftRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[draft_pb2.DraftResponse]:
-        return self.serve_session(request_iterator, context)
+        self, request_iterator: AsyncIterator[draft_pb2.DraftBatch], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[draft_pb2.DraftResults]:
+        return self.serve_link(request_iterator, context)
 
     def tokens_fed_by(self, request: draft_pb2.DraftRequest) -> int:
         # Every draft token but the last is fed back through the model.

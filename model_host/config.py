@@ -21,6 +21,7 @@ class ModelServiceConfig:
     max_sessions: int = 64
     max_cached_tokens: int = 262_144
     session_idle_timeout_s: float = 300.0
+    max_streams_per_peer: int = 16
     max_speculative_tokens: int = 16
     max_batch_size: int = 32
     max_batch_tokens: int = 2048
@@ -47,6 +48,8 @@ _HELP: dict[str, str] = {
     "max_sessions": "most sessions held at once (RESOURCE_EXHAUSTED beyond)",
     "max_cached_tokens": "most tokens cached over all sessions (RESOURCE_EXHAUSTED beyond)",
     "session_idle_timeout_s": "an idle session's cache is freed after this many seconds",
+    "max_streams_per_peer": "most open streams from one client (its mTLS name, else its address); one stream "
+    "carries every session of an orchestrator, so this bounds idle or hostile connections, not sessions",
     "max_speculative_tokens": "largest K a step may ask for (draft tokens; a verify returns at most K + 1 rows)",
     "max_batch_size": "most sessions (rows) in one batched forward pass",
     "max_batch_tokens": "most tokens fed in one engine iteration, over all rows",
@@ -59,7 +62,7 @@ _HELP: dict[str, str] = {
     "tls_cert": "PEM certificate chain: serve TLS (with --tls-key)",
     "tls_key": "PEM private key for --tls-cert",
     "tls_client_ca": "PEM CA bundle: require client certificates signed by it (mutual TLS)",
-    "threads": "torch CPU threads (0 keeps torch's default)",
+    "threads": "torch CPU threads (0: the cores this process may use, from its CPU affinity and cgroup quota)",
     "grace_period_s": "seconds open sessions get to finish after SIGTERM",
     "log_level": "debug, info, warning or error",
 }
@@ -72,7 +75,14 @@ def parse_model_service_config(prog: str, argv: Sequence[str] | None = None) -> 
     config = ModelServiceConfig(**vars(args))
     if not config.model:
         parser.error("--model is required (a local checkpoint folder or a hub id), or set SPECDEC_MODEL")
-    positive = ("max_sessions", "max_cached_tokens", "max_speculative_tokens", "max_batch_size", "prefill_chunk_tokens")
+    positive = (
+        "max_sessions",
+        "max_streams_per_peer",
+        "max_cached_tokens",
+        "max_speculative_tokens",
+        "max_batch_size",
+        "prefill_chunk_tokens",
+    )
     for name in positive:
         if getattr(config, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")

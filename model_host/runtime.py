@@ -18,14 +18,12 @@ from model_host.forward import ModelNotServable
 from model_host.loading import LoadedModel, load_model
 from model_host.session_servicer import SessionServicer
 from serving import server as serving
+from serving.cpus import available_cpus
 from serving.errors import ErrorInterceptor
 from serving.log_setup import configure_logging
 from serving.security import server_credentials
 
 log = structlog.get_logger(__name__)
-
-# Calls beyond one per session, for GetModelInfo, health checks and reflection.
-_SPARE_CALLS = 8
 
 T = TypeVar("T")
 
@@ -52,9 +50,11 @@ class ModelServer:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
     def drain(self, grace_s: float) -> None:
-        """Health goes NOT_SERVING; open sessions get `grace_s` to finish, then are cancelled (the
-        orchestrator reopens them elsewhere); then the server stops."""
+        """Health goes NOT_SERVING and new sessions are refused (UNAVAILABLE: the orchestrator opens them
+        elsewhere); open sessions get `grace_s` to finish, then are cancelled (reopened elsewhere); then
+        the server stops."""
         self._run(self.health.enter_graceful_shutdown())
+        self.servicer.start_draining()
         self._run(self.server.stop(grace_s))
         self.stop()
 
@@ -94,7 +94,6 @@ def start_model_server(
         server = grpc.aio.server(
             interceptors=[ErrorInterceptor()],
             options=serving.CHANNEL_OPTIONS,
-            maximum_concurrent_rpcs=config.max_sessions + _SPARE_CALLS,
         )
         register(servicer, server)
         health_servicer = await serving.add_standard_services(server, [service_name])
@@ -144,8 +143,9 @@ def run_model_service(
     """The `python -m draft_service` / `python -m target_service` entry point."""
     config = parse_model_service_config(prog, argv)
     configure_logging(config.log_level)
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    threads = config.threads or available_cpus()
+    torch.set_num_threads(threads)
+    log.info("threads", torch_threads=threads, source="--threads" if config.threads else "affinity and cgroup quota")
     try:
         loaded = load_model(config.model, config.device, config.dtype)
     except ValueError as exc:

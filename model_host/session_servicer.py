@@ -1,5 +1,6 @@
-"""The session stream both model services run: validate, roll back to `keep`, submit the step to the
-engine, answer.
+"""The link both model services run: one stream carries the steps of many sessions. Each step is
+validated, rolled back to `keep` and submitted to the engine; each answer carries every result the
+engine has ready, so a link costs one message per engine iteration each way, not one per session.
 
 Subclasses say what a step is (`make_job`: the target feeds its block and keeps the rows' logits; the
 draft feeds its new tokens and then one drafted token per engine iteration) and how its response
@@ -13,9 +14,9 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 import structlog
@@ -28,8 +29,8 @@ from model_host.loading import LoadedModel
 from model_host.metrics import CACHED_TOKENS, FED_TOKENS, FORWARD_SECONDS, OPEN_SESSIONS, STEPS
 from model_host.profile import forward_costs, overhead_tokens
 from model_host.sessions import Session, SessionStore
-from serving.errors import ServiceError, invalid_argument
-from serving.protocol import REQUEST_ID_METADATA
+from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError, invalid_argument, resource_exhausted
+from serving.server import MESSAGE_BUDGET_BYTES
 from specdec.v1 import common_pb2
 
 log = structlog.get_logger(__name__)
@@ -50,13 +51,6 @@ RequestT = TypeVar("RequestT", bound=StepRequest)
 ResponseT = TypeVar("ResponseT")
 
 
-def request_id_from(context: grpc.aio.ServicerContext) -> str:
-    for key, value in context.invocation_metadata() or ():
-        if key == REQUEST_ID_METADATA:
-            return str(value)
-    return ""
-
-
 @dataclass(eq=False)
 class SlotLease:
     """A session's engine slot; released once when its cache is dropped."""
@@ -72,18 +66,52 @@ class SlotLease:
 
 
 @dataclass(eq=False)
-class _Stream:
-    """An open session stream, for idle closing: its handler's task, on the server's event loop."""
+class _Pending:
+    """One session's step in the engine: what its answer needs."""
 
-    task: asyncio.Task[object]
-    last_active: float
-    job: Job | None = None  # the step in the engine now
-    idle_closed: bool = False
+    session: Session
+    request: Any
+    job: Job
+    started: float
+
+
+class _Link:
+    """One open link stream: its sessions by the client's ids, and the steps the engine has finished.
+
+    Everything but `_finished` belongs to the server's event loop. The engine's thread appends to
+    `_finished` and wakes the loop once for every batch of steps it ends (`on_done`), so that one
+    answer carries a forward's results."""
+
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
+        self.loop = asyncio.get_running_loop()
+        self.sessions: dict[int, Session] = {}
+        self.running: dict[int, _Pending] = {}  # session id -> its step in the engine
+        self.results: list[Any] = []  # answers ready to send
+        self.wake = asyncio.Event()
+        self.ended = False  # the client closed its side
+        self.last_active = time.monotonic()
+        self.idle_closed = False
+        self._finished: list[tuple[int, _Pending]] = []
+        self._finished_lock = threading.Lock()
+
+    def on_done(self, session_id: int, pending: _Pending) -> None:
+        """Called from the engine's thread (or at once) when a step's job ends."""
+        with self._finished_lock:
+            first = not self._finished
+            self._finished.append((session_id, pending))
+        if first:
+            self.loop.call_soon_threadsafe(self.wake.set)
+
+    def take_finished(self) -> list[tuple[int, _Pending]]:
+        with self._finished_lock:
+            finished, self._finished = self._finished, []
+        return finished
 
     def close_idle(self) -> None:
         """Called from another thread: end the stream (its handler answers CANCELLED)."""
         self.idle_closed = True
-        self.task.get_loop().call_soon_threadsafe(self.task.cancel)
+        self.loop.call_soon_threadsafe(self.wake.set)
 
 
 class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
@@ -91,6 +119,8 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
 
     role: str = "model"
     response_type: type[ResponseT]  # the service's response message (has `result` and `timing`)
+    result_type: type[Any]  # one session's answer on a link (session, response, error)
+    results_type: type[Any]  # a link's answer message (results)
 
     def __init__(self, loaded: LoadedModel, config: ModelServiceConfig) -> None:
         self.loaded = loaded
@@ -113,8 +143,9 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         self.store = SessionStore(
             self.new_cache, config.max_sessions, config.max_cached_tokens, config.session_idle_timeout_s
         )
-        self._streams: dict[int, _Stream] = {}
-        self._streams_lock = threading.Lock()
+        self._links: set[_Link] = set()
+        self._links_lock = threading.Lock()
+        self.draining = False  # new sessions are refused (UNAVAILABLE); links end once their sessions have
 
     # --- what subclasses provide -------------------------------------------------------------
 
@@ -190,93 +221,198 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             )
         self.check_step(request)
 
-    async def serve_session(
-        self, requests: AsyncIterator[RequestT], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[ResponseT]:
-        """One stream, one session, opened by its first message; the session's cache is freed when the
-        stream ends, however it ends (a client that goes away cancels this handler's task, and with it
-        a step still queued in the engine)."""
-        task = asyncio.current_task()
-        assert task is not None
-        stream = _Stream(task, time.monotonic())
-        with self._streams_lock:
-            self._streams[id(stream)] = stream
-        session: Session | None = None
-        steps = misses = 0
-        request_id = request_id_from(context)
-        structlog.contextvars.bind_contextvars(request_id=request_id)
-        try:
-            async for request in requests:
-                steps += 1
-                started = time.perf_counter()
-                stream.last_active = time.monotonic()
-                self._check_common(request)
-                if session is None:
-                    session = self.store.open(request_id or request.request_id or uuid.uuid4().hex)
-                    structlog.contextvars.bind_contextvars(session=session.session_id)
-                    self._publish_gauges()
-                if not self.store.rollback(session, request.keep):
-                    STEPS.labels(self.role, "cache_miss").inc()
-                    misses += 1
-                    log.info("cache_miss", keep=request.keep, held=session.length)
-                    yield self.cache_miss()
-                    continue
-                response = await self._step(session, stream, request)
-                response.timing.service_seconds = time.perf_counter() - started  # type: ignore[attr-defined]
-                stream.last_active = time.monotonic()
-                yield response
-        except asyncio.CancelledError:
-            if not stream.idle_closed:
-                raise  # the client went away
-            raise ServiceError(
-                grpc.StatusCode.CANCELLED,
-                f"the stream sent nothing for {self.config.session_idle_timeout_s:g} s "
-                "(--session-idle-timeout-s); its session was closed",
-            ) from None
-        finally:
-            with self._streams_lock:
-                self._streams.pop(id(stream), None)
-            if session is not None:
-                log.info("session_closed", steps=steps, cache_misses=misses, cached_tokens=session.length)
-                self._close(session)
-            # By name, not by the binding's tokens: a stream the server drops while its handler waits at
-            # a `yield` is closed by the event loop in another task, whose context holds no such tokens.
-            structlog.contextvars.unbind_contextvars("request_id", "session")
+    def peer_of(self, context: grpc.aio.ServicerContext) -> str:
+        """Who a stream comes from, for its stream budget: the client certificate's name under mutual
+        TLS, else its address without the port."""
+        auth = context.auth_context() or {}
+        for key in ("x509_common_name", "x509_subject_alternative_name"):
+            if auth.get(key):
+                return f"{key.removeprefix('x509_')}:{auth[key][0].decode(errors='replace')}"
+        return context.peer().rpartition(":")[0] or context.peer()
 
-    async def _step(self, session: Session, stream: _Stream, request: RequestT) -> ResponseT:
-        assert session.cache is not None
+    async def serve_link(self, batches: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """One link: the steps of many sessions in, their results out, each answer holding every result
+        ready. Every session the link opened is closed when it ends, however it ends (a client that goes
+        away cancels this handler's task)."""
+        link = _Link(self.peer_of(context))
+        with self._links_lock:
+            held = sum(1 for other in self._links if other.peer == link.peer)
+            if held >= self.config.max_streams_per_peer:
+                raise resource_exhausted(
+                    f"{link.peer} holds {held} streams to this service, its limit (--max-streams-per-peer); "
+                    "close idle ones: one stream carries the steps of every session"
+                )
+            self._links.add(link)
+        reader = asyncio.create_task(self._read_link(link, batches))
         try:
-            self.store.reserve(session, self.tokens_fed_by(request))
-            stream.job = self.make_job(session.cache.slot, request)
-            # Cancelling this await (the client went away) cancels the job: the engine drops it.
-            job = await asyncio.wrap_future(self.engine.submit(stream.job))
-        except BaseException:
-            self.store.step_failed(session)
-            raise
+            while True:
+                await link.wake.wait()
+                link.wake.clear()
+                if link.idle_closed:
+                    raise ServiceError(
+                        grpc.StatusCode.CANCELLED,
+                        f"the stream sent nothing for {self.config.session_idle_timeout_s:g} s "
+                        "(--session-idle-timeout-s) and held no session; it was closed",
+                    )
+                self._answer_finished(link)
+                for message in self._messages(link.results):
+                    yield message
+                link.results = []
+                if reader.done() and not link.running:
+                    reader.result()  # a broken stream raises here
+                    if link.ended:
+                        return
+                if self.draining and not link.sessions and not link.running:
+                    return  # a draining service lets the link end once its sessions have
         finally:
-            stream.job = None
-        self.store.record_length(session, job.start)
+            reader.cancel()
+            with self._links_lock:
+                self._links.discard(link)
+            for session_id in list(link.sessions):
+                self._close_session(link, session_id)
+
+    async def _read_link(self, link: _Link, batches: AsyncIterator[Any]) -> None:
+        try:
+            async for batch in batches:
+                link.last_active = time.monotonic()
+                for entry in batch.steps:
+                    self._entry(link, entry)
+                link.wake.set()
+        finally:
+            link.ended = True
+            link.wake.set()
+
+    def _entry(self, link: _Link, entry: Any) -> None:
+        """Start one session's step (or close it); its answer, or its error, goes to `link.results`."""
+        session_id = entry.session
+        if entry.close:
+            self._close_session(link, session_id)
+            return
+        request = entry.step
+        try:
+            if session_id in link.running:
+                raise invalid_argument(f"session {session_id} sent a step before its last one was answered")
+            self._check_common(request)
+            session = link.sessions.get(session_id)
+            if session is None:
+                if request.keep:  # closed, expired or never opened here: resend the whole sequence
+                    link.results.append(self._result(session_id, response=self.cache_miss()))
+                    return
+                if self.draining:
+                    raise ServiceError(
+                        grpc.StatusCode.UNAVAILABLE, "the service is draining; open the session on another replica"
+                    )
+                session = self.store.open(request.request_id or uuid.uuid4().hex)
+                link.sessions[session_id] = session
+                self._publish_gauges()
+            if not self.store.rollback(session, request.keep):
+                STEPS.labels(self.role, "cache_miss").inc()
+                log.info("cache_miss", request_id=session.request_id, keep=request.keep, held=session.length)
+                link.results.append(self._result(session_id, response=self.cache_miss()))
+                return
+            self.store.reserve(session, self.tokens_fed_by(request))
+            assert session.cache is not None
+            pending = _Pending(session, request, self.make_job(session.cache.slot, request), time.perf_counter())
+            future = self.engine.submit(pending.job)
+        except ServiceError as exc:
+            link.results.append(self._result(session_id, error=exc))
+            self._close_session(link, session_id)
+            return
+        link.running[session_id] = pending
+        future.add_done_callback(lambda _: link.on_done(session_id, pending))
+
+    def _answer_finished(self, link: _Link) -> None:
+        for session_id, pending in link.take_finished():
+            if link.running.get(session_id) is not pending:
+                continue  # closed meanwhile
+            del link.running[session_id]
+            job, session = pending.job, pending.session
+            error = job.future.exception()
+            if error is not None:
+                if not isinstance(error, ServiceError):
+                    log.error("step_failed", error=repr(error))
+                    error = ServiceError(grpc.StatusCode.INTERNAL, f"{HANDLER_INTERNAL_PREFIX}{self.role}: {error!r}")
+                link.results.append(self._result(session_id, error=error))
+                self._close_session(link, session_id)
+                continue
+            self.store.record_length(session, job.start)
+            FED_TOKENS.labels(self.role).inc(len(pending.request.append_token_ids))
+            FORWARD_SECONDS.labels(self.role).observe(job.forward_seconds)
+            STEPS.labels(self.role, "ok").inc()
+            response = self.respond(job, pending.request)
+            timing = response.timing  # type: ignore[attr-defined]
+            timing.forward_seconds = job.forward_seconds
+            timing.queue_seconds = max(0.0, job.queue_seconds)
+            timing.batch_size = job.batch_size
+            timing.batch_tokens = job.batch_tokens
+            timing.service_seconds = time.perf_counter() - pending.started
+            link.results.append(self._result(session_id, response=response))
         self._publish_gauges()
-        FED_TOKENS.labels(self.role).inc(len(request.append_token_ids))
-        FORWARD_SECONDS.labels(self.role).observe(job.forward_seconds)
-        STEPS.labels(self.role, "ok").inc()
-        response = self.respond(job, request)
-        timing = response.timing  # type: ignore[attr-defined]
-        timing.forward_seconds = job.forward_seconds
-        timing.queue_seconds = max(0.0, job.queue_seconds)
-        timing.batch_size = job.batch_size
-        timing.batch_tokens = job.batch_tokens
-        return response
+
+    def _result(self, session_id: int, response: Any = None, error: ServiceError | None = None) -> Any:
+        result = self.result_type(session=session_id)
+        if error is not None:
+            result.error.code = error.code.value[0]
+            result.error.message = error.message
+        else:
+            result.response.CopyFrom(response)
+        return result
+
+    def _messages(self, results: list[Any]) -> Iterator[Any]:
+        """The answers carrying `results`: as few as fit under the message limit."""
+        batch: list[Any] = []
+        size = 0
+        for result in results:
+            result_size = result.ByteSize()
+            if batch and size + result_size > MESSAGE_BUDGET_BYTES:
+                yield self.results_type(results=batch)
+                batch, size = [], 0
+            batch.append(result)
+            size += result_size
+        if batch:
+            yield self.results_type(results=batch)
+
+    def _close_session(self, link: _Link, session_id: int) -> None:
+        """End one session of a link: its step still in the engine is cancelled, its cache freed."""
+        pending = link.running.pop(session_id, None)
+        if pending is not None:
+            pending.job.future.cancel()  # the engine drops it before its next forward
+            self.store.step_failed(pending.session)
+        session = link.sessions.pop(session_id, None)
+        if session is not None:
+            log.info("session_closed", request_id=session.request_id, cached_tokens=session.length)
+            self.store.close(session)
+            self._publish_gauges()
 
     def close_idle_streams(self, idle_timeout_s: float) -> int:
-        """Cancel streams that sent nothing for `idle_timeout_s` and have no step under way: a silent
-        client must not hold a session or capacity forever. Returns how many."""
+        """End links that sent nothing for `idle_timeout_s` and hold no session: a silent client must
+        not hold a stream forever. Sessions idle that long lose their caches (SessionStore.expire_idle)
+        and, on a link, are closed. Returns how many links were closed."""
         deadline = time.monotonic() - idle_timeout_s
-        with self._streams_lock:
-            idle = [s for s in self._streams.values() if s.job is None and s.last_active < deadline]
-        for stream in idle:
-            stream.close_idle()
-        return len(idle)
+        with self._links_lock:
+            links = list(self._links)
+        closed = 0
+        for link in links:
+            if link.last_active >= deadline:
+                continue
+            if link.sessions or link.running:
+                link.loop.call_soon_threadsafe(self._close_idle_sessions, link, deadline)
+            else:
+                link.close_idle()
+                closed += 1
+        return closed
+
+    def _close_idle_sessions(self, link: _Link, deadline: float) -> None:
+        for session_id, session in list(link.sessions.items()):
+            if session_id not in link.running and session.last_used < deadline:
+                self._close_session(link, session_id)
+
+    def start_draining(self) -> None:
+        """Refuse new sessions; each link ends once its sessions have (callable from any thread)."""
+        self.draining = True
+        with self._links_lock:
+            for link in self._links:
+                link.loop.call_soon_threadsafe(link.wake.set)
 
     def stop(self) -> None:
         self.engine.stop()

@@ -231,8 +231,7 @@ class Generation:
             policy = self.lookup_policy
         policy.observe(checked.verdict, draft.forward_seconds, checked.target_seconds)
         if produced:  # the first round is the prompt's prefill
-            fed = self.draft.last_fed if self.draft is not None and draft.forward_seconds > 0 else 0
-            policy.observe_wall(len(draft.token_ids), seconds, fed)
+            policy.observe_wall(len(draft.token_ids), seconds, draft.fed)
         self.stats.record_round(checked.verdict, draft.proposer)
 
     def _account(self, tokens: list[int], produced: int, started: float) -> None:
@@ -366,11 +365,12 @@ class Generation:
             return NO_DRAFT
         try:
             async with asyncio.timeout(self.draft_timeout_s):
-                response = await draft.step(
+                stepped = await draft.step(
                     context,
                     lambda keep: self._draft_request(context, keep, k),
                     fed_beyond=lambda response: response.draft_token_ids,  # all but the last are fed
                 )
+            response = stepped.response
             probs = None
             if not self.request.sampling.greedy:
                 probs = decode_prob_rows(response.draft_probs, self.limits.vocab_size)
@@ -389,8 +389,8 @@ class Generation:
             return NO_DRAFT
         self.stats.draft_seconds += response.timing.forward_seconds
         if self.load is not None:
-            self.load.observe_draft(response.timing, len(token_ids), draft.last_fed, draft.last_seconds)
-        return Draft(token_ids=token_ids, probs=probs, forward_seconds=response.timing.forward_seconds)
+            self.load.observe_draft(response.timing, len(token_ids), stepped.fed, stepped.seconds)
+        return Draft(token_ids=token_ids, probs=probs, forward_seconds=response.timing.forward_seconds, fed=stepped.fed)
 
     async def _verify_beside(self, draft: Draft, side_k: int) -> tuple[Checked, asyncio.Task[Draft] | None]:
         """The target's check of `draft`, and the task drafting `side_k` tokens continuing the sequence
@@ -413,7 +413,7 @@ class Generation:
         sampling = self.sampling_proto
         try:
             async with asyncio.timeout(self.target_timeout_s):
-                response = await self.target.step(
+                stepped = await self.target.step(
                     context,
                     lambda keep: target_pb2.VerifyRequest(
                         request_id=self.request.request_id,
@@ -430,14 +430,14 @@ class Generation:
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"the target did not answer a step within {self.target_timeout_s:g} s (--target-timeout-s)",
             ) from exc
+        response = stepped.response
         target_seconds = response.timing.forward_seconds
         self.stats.target_seconds += target_seconds
         if self.load is not None:
-            self.load.observe_target(response.timing, self.target.last_fed, self.target.last_seconds)
-        draft_ids = torch.tensor(draft.token_ids, dtype=torch.long)  # [k]
+            self.load.observe_target(response.timing, stepped.fed, stepped.seconds)
         if self.request.sampling.greedy:
-            argmax = torch.tensor(list(response.argmax_token_ids), dtype=torch.long)  # [k + 1]
-            return Checked(verify_greedy(draft_ids, argmax), target_seconds)
+            return Checked(verify_greedy(draft.token_ids, response.argmax_token_ids), target_seconds)
+        draft_ids = torch.tensor(draft.token_ids, dtype=torch.long)  # [k]
         try:
             target_probs = decode_prob_rows(response.target_probs, self.limits.vocab_size)  # [k + 1, vocab]
         except WireFormatError as exc:

@@ -12,6 +12,7 @@ A round outputs the accepted tokens plus one recovered or bonus token, so it alw
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,14 +33,14 @@ class Verdict:
 
 
 def verify_greedy(
-    draft_token_ids: torch.Tensor,  # [k] int
-    target_argmax: torch.Tensor,  # [k + 1] int
+    draft_token_ids: Sequence[int],  # [k]
+    target_argmax: Sequence[int],  # [k + 1]
 ) -> Verdict:
-    """Greedy: accept while the draft agrees with the target's argmax; then take the target's token."""
-    k = draft_token_ids.numel()
-    matches = (draft_token_ids == target_argmax[:k]).to(torch.int64)  # [k]
-    num_accepted = int(matches.cumprod(0).sum()) if k else 0
-    output = target_argmax[: num_accepted + 1].tolist()
+    """Greedy: accept while the draft agrees with the target's argmax; then take the target's token.
+    Token ids as plain integers: a round's k is small, and tensors would cost more than the comparison."""
+    k = len(draft_token_ids)
+    num_accepted = next((i for i in range(k) if draft_token_ids[i] != target_argmax[i]), k)
+    output = list(target_argmax[: num_accepted + 1])
     return Verdict(output_token_ids=output, num_accepted=num_accepted, num_drafted=k)
 
 

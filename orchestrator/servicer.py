@@ -28,8 +28,8 @@ from orchestrator.generation import (
 )
 from orchestrator.k_policy import make_policy
 from orchestrator.proposals import MODEL, NGRAM, Stats
-from orchestrator.text import TextStream
-from orchestrator.upstream import Dial, ReplicaPool, SessionStream
+from orchestrator.text import TextStream, byte_table
+from orchestrator.upstream import Dial, LinkMessages, ReplicaPool, SessionStream
 from serving.errors import ServiceError, failed_precondition, invalid_argument
 from serving.protocol import (
     DRAFT_METHOD_BY_ENUM,
@@ -43,7 +43,15 @@ from serving.protocol import (
 from serving.sampling import SamplingParams
 from serving.security import channel_credentials
 from serving.vocab import tokenizer_fingerprint
-from specdec.v1 import common_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2_grpc
+from specdec.v1 import (
+    common_pb2,
+    draft_pb2,
+    draft_pb2_grpc,
+    orchestrator_pb2,
+    orchestrator_pb2_grpc,
+    target_pb2,
+    target_pb2_grpc,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -61,6 +69,11 @@ def check_request_id(request_id: str) -> None:
             f"request_id must be at most {_MAX_REQUEST_ID_CHARS} printable ASCII characters (no control or "
             "non-ASCII characters)"
         )
+
+
+# Each replica's link: one stream for the steps of every session pinned there.
+TARGET_LINK = LinkMessages(lambda stub: stub.Verify(), target_pb2.VerifyStep, target_pb2.VerifyBatch)
+DRAFT_LINK = LinkMessages(lambda stub: stub.Draft(), draft_pb2.DraftStep, draft_pb2.DraftBatch)
 
 
 class PairMismatch(Exception):
@@ -128,6 +141,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.target_info = target_info
         self.draft = draft
         self.tokenizer = tokenizer
+        self.byte_table = byte_table(tokenizer)  # byte-level BPE: text in constant time per token
+        log.info("detokenizer", byte_table=self.byte_table is not None)
         self.availability = DraftAvailability(config.draft_retry_after_s)
         self.load = ServiceLoad(target_info, draft.info if draft else None)
         running = config.max_running_requests or target_info.max_sessions * max(1, len(target_pool.replicas))
@@ -144,13 +159,15 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             )
         dial = Dial(credentials, config.upstream_tls_server_name)
         target_pool = ReplicaPool(
-            "target", config.target, target_pb2_grpc.TargetServiceStub, config.resolve_interval_s, dial
+            "target", config.target, target_pb2_grpc.TargetServiceStub, TARGET_LINK, config.resolve_interval_s, dial
         )
         await target_pool.start()
         target_info = await fetch_model_info(target_pool, config.startup_timeout_s)
         draft: DraftSide | None = None
         if config.draft:
-            pool = ReplicaPool("draft", config.draft, draft_pb2_grpc.DraftServiceStub, config.resolve_interval_s, dial)
+            pool = ReplicaPool(
+                "draft", config.draft, draft_pb2_grpc.DraftServiceStub, DRAFT_LINK, config.resolve_interval_s, dial
+            )
             await pool.start()
             draft = DraftSide(pool)
             try:
@@ -323,7 +340,6 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         cfg = self.config
         target: TargetStream = SessionStream(
             self.target_pool,
-            lambda stub, metadata: stub.Verify(metadata=metadata),
             request.request_id,
             attempts=cfg.target_attempts,
             backoff_s=cfg.target_backoff_s,
@@ -331,9 +347,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         k, method = request.num_speculative_tokens, request.draft_method
         draft: DraftStream | None = None
         if self.draft is not None and self.draft.info is not None and k > 0 and method != NGRAM:
-            draft = SessionStream(
-                self.draft.pool, lambda stub, metadata: stub.Draft(metadata=metadata), request.request_id, attempts=1
-            )
+            draft = SessionStream(self.draft.pool, request.request_id, attempts=1)
         # Under load_aware the request's K is the bound on every round's K; the heuristic grows from it.
         max_k = k if policy == "load_aware" else cfg.max_speculative_tokens
         # load_aware starts from the server's K and moves from it where that clearly pays.
@@ -358,7 +372,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self, request: orchestrator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
         generation_request, policy = await self.validate(request)
-        text = TextStream(self.tokenizer, list(request.stop))
+        text = TextStream(self.tokenizer, list(request.stop), self.byte_table)
         finish: int = orchestrator_pb2.FINISH_REASON_UNSPECIFIED
         streamed = 0
         await self.admission.acquire()

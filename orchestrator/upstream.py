@@ -1,18 +1,21 @@
-"""Connections to the model services: replica pools and session streams that reopen themselves.
+"""Connections to the model services: replica pools, one link (a stream carrying every session's
+steps) per replica, and sessions that reopen themselves.
 
-A session stream is pinned to one replica, because the session's cache lives there. When the replica
-answers CACHE_MISS, or the stream breaks (restart, eviction, drain), the stream is reopened (on another
-replica when one is up) and the step is resent with keep = 0 and the full sequence: the client
-notices nothing but the cost of one prefill.
+A session is pinned to one replica, because its cache lives there. When the replica answers
+CACHE_MISS, or the session or its link is lost (restart, eviction, drain), the session is reopened (on
+another replica when one is up) and the step is resent with keep = 0 and the full sequence: the
+client notices nothing but the cost of one prefill.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import random
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -20,15 +23,14 @@ import grpc
 import structlog
 
 from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError, unavailable
-from serving.protocol import REQUEST_ID_METADATA
-from serving.server import CHANNEL_OPTIONS
+from serving.server import CHANNEL_OPTIONS, MESSAGE_BUDGET_BYTES
 from specdec.v1 import common_pb2
 
 log = structlog.get_logger(__name__)
 
 # A replica that failed is avoided for this long when another one is up.
 _FAILURE_COOLDOWN_S = 5.0
-# Statuses that mean "this replica, this stream" rather than "this request": reopen and resend.
+# Statuses that mean "this replica, this session" rather than "this request": reopen and resend.
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.CANCELLED,
@@ -38,16 +40,122 @@ _RETRYABLE = {
 }
 
 
-def stream_lost(exc: grpc.aio.AioRpcError) -> bool:
-    """Whether a failed step lost its stream or replica (reopen and resend) rather than failed the request.
+class LinkLost(Exception):
+    """A link's stream ended or broke: every step on it is to be resent (on a reopened session)."""
 
-    A replica that shuts down can reset its streams with an HTTP/2 error, and gRPC reports that as
-    INTERNAL ("Internal error from Core"). A handler's own INTERNAL, a server bug, carries the
-    handler prefix and is not retried.
-    """
-    if exc.code() in _RETRYABLE:
-        return True
-    return exc.code() == grpc.StatusCode.INTERNAL and not (exc.details() or "").startswith(HANDLER_INTERNAL_PREFIX)
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+@dataclass(frozen=True)
+class LinkMessages:
+    """A service's link messages: `open(stub)` starts the stream; `step` and `batch` build its entries
+    (VerifyStep, VerifyBatch or DraftStep, DraftBatch)."""
+
+    open: Callable[[Any], Any]
+    step: Callable[..., Any]
+    batch: Callable[..., Any]
+
+
+class Link:
+    """One stream to a replica that carries the steps of every session pinned there.
+
+    A step waits in `_entries` until the writer runs, after every request that is ready in the same
+    turn of the event loop has added its own; so each message holds every step ready at that moment,
+    and no request waits for another: one whose answer comes back sends its next step in the next
+    message. Answers come one message per engine iteration of the service; each resolves its
+    sessions' futures."""
+
+    def __init__(self, call: Any, messages: LinkMessages) -> None:
+        self._call = call
+        self._messages = messages
+        self._entries: list[Any] = []
+        self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self._wake = asyncio.Event()
+        self._ids = itertools.count(1)
+        self.lost: LinkLost | None = None
+        self._writer = asyncio.create_task(self._write())
+        self._reader = asyncio.create_task(self._read())
+
+    def new_session(self) -> int:
+        return next(self._ids)
+
+    def step(self, session: int, request: Any) -> asyncio.Future[Any]:
+        """Send one session's step; the future resolves to its result (response or error)."""
+        if self.lost is not None:
+            raise self.lost
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiting[session] = future
+        self._entries.append(self._messages.step(session=session, step=request))
+        self._wake.set()
+        return future
+
+    def close_session(self, session: int) -> None:
+        """End a session on the replica (its cache is freed; a step under way is cancelled)."""
+        self._waiting.pop(session, None)
+        if self.lost is None:
+            self._entries.append(self._messages.step(session=session, close=True))
+            self._wake.set()
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                await asyncio.sleep(0)  # one more turn: requests woken by the last answer add their steps
+                self._wake.clear()
+                entries, self._entries = self._entries, []
+                for chunk in _by_size(entries):
+                    await self._call.write(self._messages.batch(steps=chunk))
+        except grpc.aio.AioRpcError as exc:
+            self._lose(exc.code(), exc.details() or "")
+        except asyncio.InvalidStateError:
+            self._lose(grpc.StatusCode.UNAVAILABLE, "the stream ended")
+
+    async def _read(self) -> None:
+        try:
+            async for message in self._call:
+                for result in message.results:
+                    future = self._waiting.pop(result.session, None)
+                    if future is not None and not future.done():
+                        future.set_result(result)
+            self._lose(grpc.StatusCode.UNAVAILABLE, "the replica ended the stream")
+        except grpc.aio.AioRpcError as exc:
+            self._lose(exc.code(), exc.details() or "")
+
+    def _lose(self, code: grpc.StatusCode, details: str) -> None:
+        if self.lost is not None:
+            return
+        self.lost = LinkLost(code, details)
+        self._writer.cancel()
+        waiting, self._waiting = self._waiting, {}
+        for future in waiting.values():
+            if not future.done():
+                future.set_exception(self.lost)
+        self._call.cancel()
+
+    async def close(self) -> None:
+        self._lose(grpc.StatusCode.CANCELLED, "closed")
+        for task in (self._writer, self._reader):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+def _by_size(entries: list[Any]) -> Iterator[list[Any]]:
+    """`entries` in messages under MESSAGE_BUDGET_BYTES (a step with dense rows is large)."""
+    chunk: list[Any] = []
+    size = 0
+    for entry in entries:
+        entry_size = entry.ByteSize()
+        if chunk and size + entry_size > MESSAGE_BUDGET_BYTES:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(entry)
+        size += entry_size
+    if chunk:
+        yield chunk
 
 
 @dataclass
@@ -57,8 +165,14 @@ class Replica:
     address: str
     channel: grpc.aio.Channel
     stub: Any
-    active: int = 0  # session streams pinned here now
+    active: int = 0  # sessions pinned here now
     failed_at: float = -1e9
+    link: Link | None = None  # the stream its sessions share, opened on first use
+
+    def live_link(self, messages: LinkMessages) -> Link:
+        if self.link is None or self.link.lost is not None:
+            self.link = Link(messages.open(self.stub), messages)
+        return self.link
 
 
 def parse_replicas(spec: str) -> tuple[list[str], str | None]:
@@ -106,10 +220,12 @@ class ReplicaPool:
         name: str,
         spec: str,
         make_stub: Callable[[grpc.aio.Channel], Any],
+        messages: LinkMessages,
         resolve_interval_s: float,
         dial: Dial | None = None,
     ):
         self.name = name
+        self.messages = messages
         self._dial = dial or Dial()
         self._static, self._dns_name = parse_replicas(spec)
         self._make_stub = make_stub
@@ -133,7 +249,7 @@ class ReplicaPool:
         # A retired replica's channel closes once its last pinned session has ended.
         for replica in [r for r in self._retired if r.active == 0]:
             self._retired.remove(replica)
-            await replica.channel.close()
+            await _close(replica)
 
     async def _resolve_forever(self) -> None:
         while True:
@@ -161,7 +277,13 @@ class ReplicaPool:
         if self._resolver:
             self._resolver.cancel()
         for replica in [*self._replicas.values(), *self._retired]:
-            await replica.channel.close()
+            await _close(replica)
+
+
+async def _close(replica: Replica) -> None:
+    if replica.link is not None:
+        await replica.link.close()
+    await replica.channel.close()
 
 
 class SessionMessage(Protocol):
@@ -191,27 +313,23 @@ def reusable_prefix(held: Sequence[int], context: Sequence[int], min_append: int
 
 @dataclass
 class SessionStream(Generic[RequestT, ResponseT]):
-    """One session on one replica of a model service, reopened when lost.
+    """One session on one replica of a model service, carried by that replica's link, and reopened
+    (on another replica when one is up) when lost.
 
     The stream alone knows what the replica's cache holds (`held`): each step keeps the longest prefix
     of it that the new context shares and feeds the rest, so rollback after a rejection, the draft's
     never-fed last token and blocks drafted ahead need no bookkeeping of their own."""
 
     pool: ReplicaPool
-    open_call: Callable[[Any, tuple[tuple[str, str], ...]], Any]  # (stub, metadata) -> stream call
     request_id: str
     attempts: int = 4
     backoff_s: float = 0.25
     held: list[int] = field(default_factory=list)  # the tokens the replica's cache holds, in order
-    last_fed: int = 0  # tokens the last successful step fed
-    # Wall seconds of the last successful step's own request and response: not the failed attempts,
-    # backoff or reopen before it, which say nothing of the service's load (and a request's lost
-    # stream must not price every other request's rounds).
-    last_seconds: float = 0.0
     reopens: int = 0  # times the session was reopened with the full sequence
-    wire_bytes: int = 0
+    wire_bytes: int = 0  # this session's entries and results, on every link it used
     replica: Replica | None = None
-    _call: Any = field(default=None, repr=False)
+    _link: Link | None = field(default=None, repr=False)
+    _session: int = 0
     _closed: bool = False
 
     async def step(
@@ -220,7 +338,7 @@ class SessionStream(Generic[RequestT, ResponseT]):
         build: Callable[[int], RequestT],
         min_append: int = 1,
         fed_beyond: Callable[[ResponseT], Sequence[int]] | None = None,
-    ) -> ResponseT:
+    ) -> Stepped[ResponseT]:
         """Send build(keep) for a step that needs `context` fed (keep: what the replica holds of it; at
         least `min_append` tokens are fed anyway) and return the response; on a lost session, reopen and
         resend with keep 0. `fed_beyond(response)` names tokens the step fed after `context` (a draft's
@@ -229,46 +347,39 @@ class SessionStream(Generic[RequestT, ResponseT]):
             raise unavailable(f"the {self.pool.name} session of request {self.request_id} is closed")
         backoff = self.backoff_s
         last_error = ""
-        replica_fault = True
         for attempt in range(self.attempts + 1):  # one more for a cache miss on a healthy replica
-            if self._call is None:
+            if self._link is None:
                 self._open()
+            assert self._link is not None
             keep = reusable_prefix(self.held, context, min_append)
             request = build(keep)
             started = time.perf_counter()
             try:
-                await self._call.write(request)
-                response = await self._call.read()
-            except grpc.aio.AioRpcError as exc:
-                if not stream_lost(exc):
-                    raise ServiceError(exc.code(), f"{self.pool.name} service: {exc.details()}") from exc
-                last_error = f"{exc.code().name}: {exc.details()}"
-                # A cancelled stream (the service closed it for idleness, or drained) is not a sick replica.
-                replica_fault = exc.code() != grpc.StatusCode.CANCELLED
-                response = None
-            except asyncio.InvalidStateError:
-                # The stream ended between two steps (replica stopped, drained or restarted).
-                last_error = f"the stream ended with {(await self._call.code()).name}"
-                response = None
-            if response is None or response is grpc.aio.EOF:
-                last_error = last_error or "the stream ended"
+                result = await self._link.step(self._session, request)
+                failure = _failure(result)
+            except LinkLost as exc:
+                failure = exc
+            if failure is not None:
+                if not _retryable(failure):
+                    raise ServiceError(failure.code, f"{self.pool.name} service: {failure.details}")
+                last_error = f"{failure.code.name}: {failure.details}"
                 log.warning("session_lost", service=self.pool.name, replica=self._address, error=last_error)
-                self._drop(failed=replica_fault)
+                # A cancelled stream (the service closed it for idleness, or drained) is not a sick replica.
+                self._drop(failed=failure.code != grpc.StatusCode.CANCELLED)
                 if attempt < self.attempts:
                     await asyncio.sleep(backoff * (0.5 + random.random()))
                     backoff *= 2
                 continue
+            response = result.response
             self.wire_bytes += request.ByteSize() + response.ByteSize()
-            if response.result == common_pb2.SESSION_RESULT_CACHE_MISS:  # type: ignore[attr-defined]
+            if response.result == common_pb2.SESSION_RESULT_CACHE_MISS:
                 log.info("cache_miss", service=self.pool.name, replica=self._address)
                 self.held = []
                 self.reopens += 1
                 continue
             fed = [*context, *(fed_beyond(response) if fed_beyond else ())]
-            self.held = fed[: response.cached_tokens]  # type: ignore[attr-defined]
-            self.last_fed = len(context) - keep
-            self.last_seconds = time.perf_counter() - started
-            return response
+            self.held = fed[: response.cached_tokens]
+            return Stepped(response, len(context) - keep, time.perf_counter() - started)
         raise unavailable(
             f"{self.pool.name} service unavailable after {self.attempts} tries ({last_error}); "
             f"check that the {self.pool.name} replicas are running"
@@ -282,28 +393,62 @@ class SessionStream(Generic[RequestT, ResponseT]):
         previous = self.replica
         self.replica = self.pool.pick(avoid=previous)
         self.replica.active += 1
-        self._call = self.open_call(self.replica.stub, ((REQUEST_ID_METADATA, self.request_id),))
+        self._link = self.replica.live_link(self.pool.messages)
+        self._session = self._link.new_session()
         if self.held or previous is not None:
             self.reopens += 1
         self.held = []
 
     def _drop(self, failed: bool) -> None:
         """Unpin from the replica (kept in self.replica so a reopen can avoid it)."""
-        if self._call is None or self.replica is None:
+        if self._link is None or self.replica is None:
             return
-        self._call.cancel()
-        self._call = None
+        self._link.close_session(self._session)
+        self._link = None
         self.replica.active -= 1
         if failed:
             self.replica.failed_at = time.monotonic()
 
     def reset(self) -> None:
-        """Drop the stream after a failure; the next step opens a new one with the full sequence."""
+        """Drop the session after a failure; the next step opens a new one with the full sequence."""
         self._drop(failed=True)
         self.held = []
 
     def close(self) -> None:
-        """End the stream (safe inside a cancelled task); the service frees the session's cache at once."""
+        """End the session (safe inside a cancelled task); the service frees its cache at once."""
         self._closed = True
         self._drop(failed=False)
         self.replica = None
+
+
+@dataclass(frozen=True)
+class Stepped(Generic[ResponseT]):
+    """A step's answer, with what it cost: tokens fed, and the wall seconds of its answering attempt
+    alone (not the failed attempts, backoff or reopen before it, which say nothing of the service's
+    load: a request's lost session must not price every other request's rounds)."""
+
+    response: ResponseT
+    fed: int
+    seconds: float
+
+
+def _failure(result: Any) -> LinkLost | None:
+    """A result's error, in the shape of a lost link's (None when it carries a response)."""
+    if not result.HasField("error"):
+        return None
+    code = _CODES.get(result.error.code, grpc.StatusCode.UNKNOWN)
+    return LinkLost(code, result.error.message)
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _retryable(failure: LinkLost) -> bool:
+    """Whether a failed step lost its session or replica (reopen and resend) rather than failed the request.
+
+    A replica that shuts down can reset its streams with an HTTP/2 error, and gRPC reports that as
+    INTERNAL ("Internal error from Core"). A handler's own INTERNAL, a server bug, carries the
+    handler prefix and is not retried."""
+    if failure.code in _RETRYABLE:
+        return True
+    return failure.code == grpc.StatusCode.INTERNAL and not failure.details.startswith(HANDLER_INTERNAL_PREFIX)

@@ -18,6 +18,9 @@ log = structlog.get_logger(__name__)
 
 # Large enough for a block of probability rows over a 256k vocabulary.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# A link's message carries many sessions' steps: it is split where it would pass this size, so that
+# dense rows (a 128k vocabulary's 64 sampled sessions: about 295 MB) never meet the limit.
+MESSAGE_BUDGET_BYTES = MAX_MESSAGE_BYTES // 4
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -35,11 +35,13 @@ class TargetServicer(
 ):
     role = "target"
     response_type = target_pb2.VerifyResponse
+    result_type = target_pb2.VerifyResult
+    results_type = target_pb2.VerifyResults
 
     def Verify(
-        self, request_iterator: AsyncIterator[target_pb2.VerifyRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[target_pb2.VerifyResponse]:
-        return self.serve_session(request_iterator, context)
+        self, request_iterator: AsyncIterator[target_pb2.VerifyBatch], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[target_pb2.VerifyResults]:
+        return self.serve_link(request_iterator, context)
 
     def check_step(self, request: target_pb2.VerifyRequest) -> None:
         most = min(len(request.append_token_ids), self.config.max_speculative_tokens + 1)

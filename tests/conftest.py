@@ -11,12 +11,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import grpc
 import pytest
 import torch
 
 from model_host.loading import LoadedModel
 from model_host.runtime import ModelServer
-from specdec.v1 import orchestrator_pb2
+from specdec.v1 import draft_pb2, orchestrator_pb2, target_pb2
 from tests.servers import OrchestratorThread, load, orchestrator_config, start_draft, start_target
 from tests.tiny_models import TinyPair, build_pair
 
@@ -126,16 +127,51 @@ def client_json(server: str, *args: str, timeout: float = 120) -> dict[str, Any]
     return dict(json.loads(output))
 
 
-class RawSession:
-    """A model-service session stream driven message by message, for protocol tests."""
+class StepFailed(grpc.RpcError):
+    """One session's failed step on a link, shaped as the call error a test expects."""
 
-    def __init__(self, method: Callable[..., Iterator[Any]]) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+_LINK_TYPES = {
+    target_pb2.VerifyRequest: (target_pb2.VerifyStep, target_pb2.VerifyBatch),
+    draft_pb2.DraftRequest: (draft_pb2.DraftStep, draft_pb2.DraftBatch),
+}
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class RawSession:
+    """One session on a link of its own, driven step by step, for protocol tests: a step's error raises
+    StepFailed (or the stream's own error)."""
+
+    def __init__(self, method: Callable[..., Iterator[Any]], session: int = 1) -> None:
         self._requests: queue.Queue[Any] = queue.Queue()
         self._responses = method(iter(self._requests.get, None))
+        self.session = session
+        self._types: tuple[Any, Any] | None = None
 
     def step(self, request: Any) -> Any:
-        self._requests.put(request)
-        return next(self._responses)
+        step_type, batch_type = self._types = _LINK_TYPES[type(request)]
+        self._requests.put(batch_type(steps=[step_type(session=self.session, step=request)]))
+        (result,) = next(self._responses).results
+        assert result.session == self.session
+        if result.HasField("error"):
+            raise StepFailed(_CODES[result.error.code], result.error.message)
+        return result.response
+
+    def close_session(self) -> None:
+        """End the session, keeping the stream."""
+        assert self._types is not None
+        step_type, batch_type = self._types
+        self._requests.put(batch_type(steps=[step_type(session=self.session, close=True)]))
 
     def close(self) -> None:
         self._requests.put(None)

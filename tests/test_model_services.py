@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import queue
 import random
 
 import grpc
@@ -228,22 +229,101 @@ def test_session_and_token_limits_leave_other_sessions_running(target_model):
         server.stop()
 
 
-def test_idle_stream_is_closed_and_frees_its_session(target_model):
-    """A silent client holds nothing for long: its cache expires and its stream is cancelled."""
+def test_idle_sessions_and_streams_are_closed(target_model):
+    """A silent client holds nothing for long: an idle session is closed (its next step is a cache miss,
+    so the orchestrator resends the sequence) and a stream holding no session is cancelled."""
     server = start_target(target_model, session_idle_timeout_s=0.3)
     try:
         with _channel(server) as channel:
             session = RawSession(target_pb2_grpc.TargetServiceStub(channel).Verify)
             assert session.step(target_pb2.VerifyRequest(keep=0, append_token_ids=[1, 2], num_rows=1)).result == OK
             assert wait_until(lambda: server.servicer.store.open_sessions == 0, timeout_s=5)
+            assert session.step(target_pb2.VerifyRequest(keep=2, append_token_ids=[3], num_rows=1)).result == MISS
+            assert wait_until(lambda: not server.servicer._links, timeout_s=5)  # it holds no session now
             with pytest.raises(grpc.RpcError) as error:
                 session.step(target_pb2.VerifyRequest(keep=2, append_token_ids=[3], num_rows=1))
             assert error.value.code() == grpc.StatusCode.CANCELLED
             assert "--session-idle-timeout-s" in (error.value.details() or "")
             silent = RawSession(target_pb2_grpc.TargetServiceStub(channel).Verify)  # never sends a step
-            assert wait_until(lambda: len(server.servicer._streams) == 1, timeout_s=5)
-            assert wait_until(lambda: not server.servicer._streams, timeout_s=5)
+            assert wait_until(lambda: len(server.servicer._links) == 1, timeout_s=5)
+            assert wait_until(lambda: not server.servicer._links, timeout_s=5)
             silent.close()
+    finally:
+        server.stop()
+
+
+class Link:
+    """A raw link: batches of entries in, results by session out."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._requests: queue.Queue = queue.Queue()
+        self._responses = target_pb2_grpc.TargetServiceStub(channel).Verify(iter(self._requests.get, None))
+
+    def send(self, *steps: target_pb2.VerifyStep) -> dict[int, target_pb2.VerifyResult]:
+        """One message; every result for its (non-closing) steps, however many answers they come in."""
+        self._requests.put(target_pb2.VerifyBatch(steps=steps))
+        waiting = {step.session for step in steps if not step.close}
+        results: dict[int, target_pb2.VerifyResult] = {}
+        while waiting - set(results):
+            for result in next(self._responses).results:
+                results[result.session] = result
+        return results
+
+    def close(self) -> None:
+        self._requests.put(None)
+
+
+def test_a_link_carries_many_sessions_and_a_bad_step_fails_only_its_own(target_server, target_model):
+    """Sessions on one stream: each step's answer is its own; a bad step (and a session that errs)
+    leaves the others going; closing one frees its cache at once, the stream staying open."""
+    with _channel(target_server) as channel:
+        link = Link(channel)
+        prompts = {1: [5, 6, 7], 2: [8, 9], 3: [10, 11, 12, 13]}
+        results = link.send(
+            *(target_pb2.VerifyStep(session=i, step=_verify(ids)) for i, ids in prompts.items()),
+            target_pb2.VerifyStep(session=4, step=target_pb2.VerifyRequest(keep=0, append_token_ids=[1], num_rows=5)),
+        )
+        assert results[4].HasField("error") and "num_rows" in results[4].error.message
+        assert results[4].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        for i, ids in prompts.items():
+            expected = int(_fresh_probs(target_model, ids).argmax())
+            assert not results[i].HasField("error") and list(results[i].response.argmax_token_ids) == [expected]
+        assert target_server.servicer.store.open_sessions == 3  # the bad step's session is closed
+        link.send(target_pb2.VerifyStep(session=2, close=True))
+        assert wait_until(lambda: target_server.servicer.store.open_sessions == 2)
+        # the others go on from their caches
+        nxt = {i: int(results[i].response.argmax_token_ids[0]) for i in (1, 3)}
+        steps = [
+            target_pb2.VerifyStep(
+                session=i,
+                step=target_pb2.VerifyRequest(keep=len(prompts[i]), append_token_ids=[nxt[i]], num_rows=1),
+            )
+            for i in (1, 3)
+        ]
+        again = link.send(*steps)
+        for i in (1, 3):
+            expected = int(_fresh_probs(target_model, [*prompts[i], nxt[i]]).argmax())
+            assert list(again[i].response.argmax_token_ids) == [expected]
+        link.close()
+    assert wait_until(lambda: target_server.servicer.store.open_sessions == 0)
+
+
+def test_streams_are_budgeted_per_peer(target_model):
+    """Idle streams from one client are refused beyond --max-streams-per-peer, naming the flag; the
+    streams it holds keep working."""
+    server = start_target(target_model, max_streams_per_peer=2)
+    try:
+        with _channel(server) as channel:
+            first, second, third = (RawSession(target_pb2_grpc.TargetServiceStub(channel).Verify) for _ in range(3))
+            assert first.step(_verify([1, 2])).result == OK
+            assert second.step(_verify([3, 4])).result == OK
+            with pytest.raises(grpc.RpcError) as error:
+                third.step(_verify([5]))
+            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-streams-per-peer" in error.value.details()
+            assert first.step(target_pb2.VerifyRequest(keep=2, append_token_ids=[9], num_rows=1)).result == OK
+            for session in (first, second, third):
+                session.close()
     finally:
         server.stop()
 

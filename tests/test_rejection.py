@@ -22,7 +22,7 @@ from orchestrator.rejection import residual_distribution, verify_greedy, verify_
     ],
 )
 def test_greedy_table(draft: list[int], target_argmax: list[int], expected_output: list[int], expected_accepted: int):
-    verdict = verify_greedy(torch.tensor(draft, dtype=torch.long), torch.tensor(target_argmax))
+    verdict = verify_greedy(draft, target_argmax)
     assert verdict.output_token_ids == expected_output
     assert verdict.num_accepted == expected_accepted
     assert verdict.num_drafted == len(draft)

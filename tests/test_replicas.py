@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from orchestrator.servicer import TARGET_LINK
 from specdec.v1 import orchestrator_pb2
 from tests.conftest import collect, hf_greedy, wait_until
 from tests.servers import LOOPBACK, OrchestratorThread, orchestrator_config, start_target
@@ -82,7 +83,7 @@ def test_replica_gone_from_dns_keeps_its_channel_until_its_sessions_end(monkeypa
     monkeypatch.setattr(upstream, "resolve", fake_resolve)
 
     async def scenario() -> None:
-        pool = upstream.ReplicaPool("target", "dns:///target:1", lambda channel: object(), 3600)
+        pool = upstream.ReplicaPool("target", "dns:///target:1", lambda channel: object(), TARGET_LINK, 3600)
         await pool.refresh()
         pinned = next(r for r in pool.replicas if r.address == "127.0.0.1:2")
         pinned.active = 1

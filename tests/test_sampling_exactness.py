@@ -26,7 +26,7 @@ from draft_service.servicer import choose_token
 from model_host.logits import logits_to_probs
 from orchestrator.generation import DraftAvailability, Generation, GenerationRequest, ModelLimits
 from orchestrator.k_policy import FixedK
-from orchestrator.upstream import reusable_prefix
+from orchestrator.upstream import Stepped, reusable_prefix
 from serving.sampling import SamplingParams, seeded_generator
 from serving.tensors import encode_prob_rows
 from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2, target_pb2
@@ -79,7 +79,6 @@ class TableTarget:
         self.logits = logits
         self.seen: list[int] = []
         self.last_fed = self.reopens = self.wire_bytes = 0
-        self.last_seconds = 0.0
 
     def _request(self, context: list[int], build: Callable[[int], Any], min_append: int) -> Any:
         """The request as SessionStream builds it; the tokens it leaves the session with must be `context`."""
@@ -91,7 +90,7 @@ class TableTarget:
 
     async def step(
         self, context: list[int], build: Callable[[int], Any], min_append: int = 1, fed_beyond: Any = None
-    ) -> target_pb2.VerifyResponse:
+    ) -> Stepped[target_pb2.VerifyResponse]:
         request = self._request(context, build, min_append)
         self.seen = list(context)
         key = (tuple(self.seen), request.num_rows, request.sampling.SerializeToString(deterministic=True))
@@ -103,7 +102,7 @@ class TableTarget:
                 result=common_pb2.SESSION_RESULT_OK, target_probs=encode_prob_rows(probs)
             )
             self.logits.verify_responses[key] = response
-        return self.logits.verify_responses[key]
+        return Stepped(self.logits.verify_responses[key], self.last_fed, 0.0)
 
     def close(self) -> None:
         pass
@@ -114,7 +113,7 @@ class TableDraft(TableTarget):
 
     async def step(  # type: ignore[override]
         self, context: list[int], build: Callable[[int], Any], min_append: int = 1, fed_beyond: Any = None
-    ) -> draft_pb2.DraftResponse:
+    ) -> Stepped[draft_pb2.DraftResponse]:  # type: ignore[override]
         request = self._request(context, build, min_append)
         sequence = list(context)
         params = SamplingParams.from_proto(request.sampling)
@@ -130,7 +129,7 @@ class TableDraft(TableTarget):
         self.seen = sequence[:-1]
         response = draft_pb2.DraftResponse(result=common_pb2.SESSION_RESULT_OK, draft_token_ids=tokens)
         response.draft_probs.CopyFrom(encode_prob_rows(torch.stack(rows)))
-        return response
+        return Stepped(response, self.last_fed, 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +277,7 @@ class SlowPrefillDraft(TableDraft):
         self.seconds = seconds
         self.steps = 0
 
-    async def step(self, *args: Any, **kwargs: Any) -> draft_pb2.DraftResponse:  # type: ignore[override]
+    async def step(self, *args: Any, **kwargs: Any) -> Stepped[draft_pb2.DraftResponse]:  # type: ignore[override]
         self.steps += 1
         if self.steps == 1:
             await asyncio.sleep(self.seconds)

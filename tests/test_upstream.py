@@ -3,31 +3,48 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 
-from orchestrator.upstream import ReplicaPool, SessionStream
+from orchestrator.upstream import LinkMessages, ReplicaPool, SessionStream
 from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError
 from specdec.v1 import common_pb2, target_pb2
 
 Stream = SessionStream[target_pb2.VerifyRequest, target_pb2.VerifyResponse]
+LINK = LinkMessages(lambda stub: stub(), target_pb2.VerifyStep, target_pb2.VerifyBatch)
 
 
-class _Stream:
-    """A bidi stream whose first read either answers or fails with `error`."""
+class _Call:
+    """A link stream that answers every step it is sent: with `error` raised as the stream's own (a
+    lost stream), with `error` as that step's result (a StepError), or OK."""
 
-    def __init__(self, error: grpc.aio.AioRpcError | None):
+    def __init__(self, error: grpc.aio.AioRpcError | common_pb2.StepError | None):
         self.error = error
         self.cancelled = False
+        self.cancelled_before_close = False
+        self._sessions: asyncio.Queue[int] = asyncio.Queue()
 
-    async def write(self, request: target_pb2.VerifyRequest) -> None:
-        pass
+    async def write(self, batch: target_pb2.VerifyBatch) -> None:
+        for step in batch.steps:
+            if not step.close:
+                self._sessions.put_nowait(step.session)
 
-    async def read(self) -> target_pb2.VerifyResponse:
-        if self.error is not None:
-            raise self.error
-        return target_pb2.VerifyResponse(result=common_pb2.SESSION_RESULT_OK)
+    def __aiter__(self) -> AsyncIterator[target_pb2.VerifyResults]:
+        return self._answers()
+
+    async def _answers(self) -> AsyncIterator[target_pb2.VerifyResults]:
+        while True:
+            session = await self._sessions.get()
+            if isinstance(self.error, grpc.aio.AioRpcError):
+                raise self.error
+            result = target_pb2.VerifyResult(session=session)
+            if self.error is None:
+                result.response.result = common_pb2.SESSION_RESULT_OK
+            else:
+                result.error.CopyFrom(self.error)
+            yield target_pb2.VerifyResults(results=[result])
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -37,50 +54,68 @@ def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
-def _step(errors: list[grpc.aio.AioRpcError | None], backoff_s: float = 0.0) -> tuple[Stream, list[_Stream]]:
-    """Run one step over two replicas; stream i fails with errors[i]."""
-    opened: list[_Stream] = []
+def _step_error(code: grpc.StatusCode, details: str) -> common_pb2.StepError:
+    return common_pb2.StepError(code=code.value[0], message=details)
 
-    def open_call(stub: object, metadata: tuple[tuple[str, str], ...]) -> _Stream:
-        opened.append(_Stream(errors[len(opened)]))
+
+def _step(errors: list, backoff_s: float = 0.0) -> tuple[Stream, list[_Call], float]:
+    """Run one step over two replicas; replica i's link answers with errors[i]. Also returns the
+    step's own seconds."""
+    opened: list[_Call] = []
+
+    def open_link() -> _Call:
+        opened.append(_Call(errors[len(opened)]))
         return opened[-1]
 
-    async def run() -> Stream:
-        pool = ReplicaPool("target", "127.0.0.1:1,127.0.0.1:2", lambda channel: None, resolve_interval_s=60.0)
+    async def run() -> tuple[Stream, float]:
+        pool = ReplicaPool(
+            "target", "127.0.0.1:1,127.0.0.1:2", lambda channel: open_link, LINK, resolve_interval_s=60.0
+        )
         await pool.start()
-        stream: Stream = SessionStream(pool, open_call, request_id="r1", attempts=2, backoff_s=backoff_s)
+        stream: Stream = SessionStream(pool, request_id="r1", attempts=2, backoff_s=backoff_s)
         try:
-            await stream.step([1, 2], lambda keep: target_pb2.VerifyRequest(keep=keep))
+            stepped = await stream.step([1, 2], lambda keep: target_pb2.VerifyRequest(keep=keep))
+            for call in opened:
+                call.cancelled_before_close = call.cancelled
         finally:
             await pool.close()
-        return stream
+        return stream, stepped.seconds
 
-    return asyncio.run(run()), opened
+    stream, seconds = asyncio.run(run())
+    return stream, opened, seconds
 
 
-@pytest.mark.parametrize(
-    "code, details",
-    [
-        # A replica shutting down resets its streams with an HTTP/2 error; gRPC reports INTERNAL.
-        (grpc.StatusCode.INTERNAL, "Internal error from Core"),
-        (grpc.StatusCode.INTERNAL, "Received RST_STREAM with error code 2"),
-        (grpc.StatusCode.UNAVAILABLE, "Socket closed"),
-        (grpc.StatusCode.CANCELLED, "Cancelled"),
-    ],
-)
-def test_a_lost_stream_is_reopened_on_the_other_replica(code, details):
-    stream, opened = _step([_error(code, details), None])
-    assert len(opened) == 2 and opened[0].cancelled
+LOST = [
+    # A replica shutting down resets its streams with an HTTP/2 error; gRPC reports INTERNAL.
+    (grpc.StatusCode.INTERNAL, "Internal error from Core"),
+    (grpc.StatusCode.INTERNAL, "Received RST_STREAM with error code 2"),
+    (grpc.StatusCode.UNAVAILABLE, "Socket closed"),
+    (grpc.StatusCode.CANCELLED, "Cancelled"),
+]
+
+
+@pytest.mark.parametrize("code, details", LOST)
+def test_a_lost_link_is_reopened_on_the_other_replica(code, details):
+    stream, opened, _ = _step([_error(code, details), None])
+    assert len(opened) == 2 and opened[0].cancelled_before_close
     assert stream.reopens == 1
     assert stream.replica is not None and stream.replica.failed_at < 0  # the second replica answered
 
 
+def test_a_draining_replica_sends_the_session_elsewhere():
+    """A draining replica refuses a new session with UNAVAILABLE in that step's result alone."""
+    error = _step_error(grpc.StatusCode.UNAVAILABLE, "the service is draining; open the session on another replica")
+    stream, opened, _ = _step([error, None])
+    assert len(opened) == 2 and not opened[0].cancelled_before_close  # the link itself is fine: other sessions go on
+    assert stream.reopens == 1
+
+
 def test_a_steps_time_is_its_answering_attempt_alone():
     """The step time the load-aware price learns from (shared by every request) leaves out a lost
-    stream's failed attempt and the backoff before the retry: one request's bad luck is no load."""
-    stream, opened = _step([_error(grpc.StatusCode.UNAVAILABLE, "Socket closed"), None], backoff_s=0.2)
+    link's failed attempt and the backoff before the retry: one request's bad luck is no load."""
+    _, opened, seconds = _step([_error(grpc.StatusCode.UNAVAILABLE, "Socket closed"), None], backoff_s=0.2)
     assert len(opened) == 2
-    assert 0 < stream.last_seconds < 0.05  # the backoff slept at least 0.1 s
+    assert 0 < seconds < 0.05  # the backoff slept at least 0.1 s
 
 
 @pytest.mark.parametrize(
@@ -90,9 +125,10 @@ def test_a_steps_time_is_its_answering_attempt_alone():
         (grpc.StatusCode.INVALID_ARGUMENT, "keep 9 exceeds the 3 tokens held"),
     ],
 )
-def test_a_handler_error_is_reported_not_retried(code, details):
+@pytest.mark.parametrize("where", [_error, _step_error])
+def test_a_handler_error_is_reported_not_retried(code, details, where):
     with pytest.raises(ServiceError) as raised:
-        _step([_error(code, details), None])
+        _step([where(code, details), None])
     assert raised.value.code == code and details in raised.value.message
 
 

@@ -93,10 +93,12 @@ class LocalStack:
     log_dir: Path | None = None
     startup_timeout_s: float = 300.0
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    pids: dict[str, int] = field(default_factory=dict)  # by name: target, draft, orchestrator
     _logs: list[IO[bytes]] = field(default_factory=list)
     orchestrator_address: str = ""
     target_address: str = ""
     draft_address: str = ""
+    cpus: dict[str, set[int]] = field(default_factory=dict)  # cores to pin a process to, by name
     with_metrics: bool = False  # give each process a Prometheus port (metrics_ports, by name)
     metrics_ports: dict[str, int] = field(default_factory=dict)
 
@@ -111,6 +113,9 @@ class LocalStack:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         process = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=out, env=env)
         self.processes.append(process)
+        self.pids[name] = process.pid
+        if name in self.cpus:  # before it starts its threads, which inherit the affinity
+            os.sched_setaffinity(process.pid, self.cpus[name])
         return process
 
     def _service_args(self) -> list[str]:
