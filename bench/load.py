@@ -40,7 +40,7 @@ class LoadConfig:
     policy: str = "fixed"
 
 
-HF_BATCH = "HF generate(), padded batch"
+HF_BATCH = "HF generate() padded batch"
 LOAD_CONFIGS = [
     LoadConfig("target alone (K = 0)", "services", 0),
     LoadConfig("specdec fixed K = 2", "services", 2),
@@ -49,7 +49,7 @@ LOAD_CONFIGS = [
     LoadConfig(HF_BATCH, "hf_batch"),
     LoadConfig("HF generate_batch (continuous batching)", "hf_cb"),
 ]
-HF_BATCH = "HF generate(), padded batch"
+HF_BATCH = "HF generate() padded batch"
 
 
 @dataclass

@@ -14,6 +14,7 @@ import heapq
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
@@ -117,8 +118,15 @@ class Engine:
         self._wake = threading.Condition()
         self._stopped = False
         self._thread: threading.Thread | None = None
+        # Called in the engine's thread after each forward's jobs have ended (and after jobs fail outside
+        # one): the servicer wakes its event loop once for all of them, not once a job.
+        self.after_group: Callable[[], None] = lambda: None
         self._forward_seconds = 0.0  # running mean of one forward
         self._last_step: dict[int, float] = {}  # slot -> when its last job finished
+        self._batch_size = BATCH_SIZE.labels(role)
+        self._batch_tokens = BATCH_TOKENS.labels(role)
+        self._engine_forward_seconds = ENGINE_FORWARD_SECONDS.labels(role)
+        self._queue_seconds = QUEUE_SECONDS.labels(role)
 
     def start(self) -> None:
         """Run the loop in a thread of its own (in-process servers, tests)."""
@@ -168,6 +176,7 @@ class Engine:
                 self._iteration()
         for job in [*self._active, *self._inbox]:
             _fail(job, resource_exhausted("the service stopped; retry on another replica"))
+        self.after_group()
 
     def _hold(self) -> None:
         """Wait briefly (the condition's lock held) for sessions that are expected back.
@@ -210,8 +219,10 @@ class Engine:
                 self._active.append(job)
         chosen = sorted(self._schedule(), key=lambda pair: len(pair[1].token_ids))
         start = 0
+        self.after_group()  # jobs that waited too long
         for end in group_ends([len(row.token_ids) for _, row in chosen], self.overhead_tokens):
             self._run_group(chosen[start:end])  # the narrowest first: decoding rows come back soonest
+            self.after_group()
             start = end
 
     def _schedule(self) -> list[tuple[Job, Row]]:
@@ -246,13 +257,13 @@ class Engine:
         seconds = time.perf_counter() - started
         self._forward_seconds = 0.9 * self._forward_seconds + 0.1 * seconds if self._forward_seconds else seconds
         batch_tokens = sum(len(row.token_ids) for row in rows)
-        BATCH_SIZE.labels(self.role).observe(len(rows))
-        BATCH_TOKENS.labels(self.role).observe(batch_tokens)
-        ENGINE_FORWARD_SECONDS.labels(self.role).observe(seconds)
+        self._batch_size.observe(len(rows))
+        self._batch_tokens.observe(batch_tokens)
+        self._engine_forward_seconds.observe(seconds)
         for (job, row), row_logits in zip(group, logits, strict=True):
             if job.queue_seconds < 0:
                 job.queue_seconds = started - job.submitted
-                QUEUE_SECONDS.labels(self.role).observe(job.queue_seconds)
+                self._queue_seconds.observe(job.queue_seconds)
             job.forward_seconds += seconds
             if len(rows) >= job.batch_size:
                 job.batch_size, job.batch_tokens = len(rows), batch_tokens

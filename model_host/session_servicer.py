@@ -95,13 +95,13 @@ class _Link:
         self._finished: list[tuple[int, _Pending]] = []
         self._finished_lock = threading.Lock()
 
-    def on_done(self, session_id: int, pending: _Pending) -> None:
-        """Called from the engine's thread (or at once) when a step's job ends."""
+    def on_done(self, session_id: int, pending: _Pending) -> bool:
+        """Called from the engine's thread (or at once) when a step's job ends; whether the link needs
+        waking (it had nothing finished waiting)."""
         with self._finished_lock:
             first = not self._finished
             self._finished.append((session_id, pending))
-        if first:
-            self.loop.call_soon_threadsafe(self.wake.set)
+        return first
 
     def take_finished(self) -> list[tuple[int, _Pending]]:
         with self._finished_lock:
@@ -146,6 +146,14 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         self._links: set[_Link] = set()
         self._links_lock = threading.Lock()
         self.draining = False  # new sessions are refused (UNAVAILABLE); links end once their sessions have
+        self._to_wake: set[_Link] = set()
+        self.engine.after_group = self._wake_answered
+        # Labelled once: a label lookup costs more than the update, at every session step.
+        self._fed_tokens = FED_TOKENS.labels(self.role)
+        self._forward_seconds = FORWARD_SECONDS.labels(self.role)
+        self._steps_ok = STEPS.labels(self.role, "ok")
+        self._open_sessions = OPEN_SESSIONS.labels(self.role)
+        self._cached_tokens = CACHED_TOKENS.labels(self.role)
 
     # --- what subclasses provide -------------------------------------------------------------
 
@@ -319,7 +327,23 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             self._close_session(link, session_id)
             return
         link.running[session_id] = pending
-        future.add_done_callback(lambda _: link.on_done(session_id, pending))
+        future.add_done_callback(lambda _: self._on_done(link, session_id, pending))
+
+    def _on_done(self, link: _Link, session_id: int, pending: _Pending) -> None:
+        if not link.on_done(session_id, pending):
+            return
+        if asyncio._get_running_loop() is link.loop:  # failed or cancelled on the event loop itself
+            link.wake.set()
+        else:  # the engine's thread: woken after the forward, with every other link it answered
+            with self._links_lock:
+                self._to_wake.add(link)
+
+    def _wake_answered(self) -> None:
+        """The engine ended a forward's jobs: wake each link they belong to, once."""
+        with self._links_lock:
+            links, self._to_wake = self._to_wake, set()
+        for link in links:
+            link.loop.call_soon_threadsafe(link.wake.set)
 
     def _answer_finished(self, link: _Link) -> None:
         for session_id, pending in link.take_finished():
@@ -336,9 +360,9 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
                 self._close_session(link, session_id)
                 continue
             self.store.record_length(session, job.start)
-            FED_TOKENS.labels(self.role).inc(len(pending.request.append_token_ids))
-            FORWARD_SECONDS.labels(self.role).observe(job.forward_seconds)
-            STEPS.labels(self.role, "ok").inc()
+            self._fed_tokens.inc(len(pending.request.append_token_ids))
+            self._forward_seconds.observe(job.forward_seconds)
+            self._steps_ok.inc()
             response = self.respond(job, pending.request)
             timing = response.timing  # type: ignore[attr-defined]
             timing.forward_seconds = job.forward_seconds
@@ -422,5 +446,5 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         self._publish_gauges()
 
     def _publish_gauges(self) -> None:
-        OPEN_SESSIONS.labels(self.role).set(self.store.open_sessions)
-        CACHED_TOKENS.labels(self.role).set(self.store.cached_tokens)
+        self._open_sessions.set(self.store.open_sessions)
+        self._cached_tokens.set(self.store.cached_tokens)

@@ -64,6 +64,9 @@ class SessionStore:
         self._clock = clock
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
+        # Kept as sessions change, so that a step's reservation costs the same at 1 session as at 64.
+        self._footprint = 0  # sum over sessions of max(length, reserved): what the budget counts
+        self._cached = 0  # sum over sessions of length
         self._ids = itertools.count(1)
         self.opened = 0  # sessions opened since start
 
@@ -83,19 +86,32 @@ class SessionStore:
     def close(self, session: Session) -> None:
         """Free the session's cache at once; safe to call twice."""
         with self._lock:
-            self._sessions.pop(session.session_id, None)
+            if self._sessions.pop(session.session_id, None) is not None:
+                self._set(session, length=0, reserved=0)
             _drop(session)
+
+    def _set(self, session: Session, length: int | None = None, reserved: int | None = None) -> None:
+        """Change a held session's length or reservation, keeping the totals (the lock held)."""
+        self._footprint -= max(session.length, session.reserved)
+        self._cached -= session.length
+        if length is not None:
+            session.length = length
+        if reserved is not None:
+            session.reserved = reserved
+        self._footprint += max(session.length, session.reserved)
+        self._cached += session.length
 
     def rollback(self, session: Session, keep: int) -> bool:
         """Crop the cache to its first `keep` tokens. False (a cache miss) when it holds fewer."""
         with self._lock:
             session.last_used = self._clock()
             if keep == 0:
+                self._set(session, length=0)
                 _drop(session)
                 session.cache = self._new_cache()
             elif session.cache is None or keep > session.length:
                 return False
-            session.length = keep
+            self._set(session, length=keep)
             session.stepping = True
             return True
 
@@ -105,27 +121,26 @@ class SessionStore:
         Atomic: concurrent steps each see the others' reservations, so together they never exceed the
         budget."""
         with self._lock:
-            others = sum(max(s.length, s.reserved) for s in self._sessions.values() if s is not session)
+            others = self._footprint - max(session.length, session.reserved)
             if others + new_length > self.max_cached_tokens:
                 raise resource_exhausted(
                     f"caching {new_length} tokens for this session would exceed the service's budget of "
                     f"{self.max_cached_tokens} tokens ({others} held by other sessions); retry later, add "
                     "replicas, or raise --max-cached-tokens"
                 )
-            session.reserved = new_length
+            self._set(session, reserved=new_length)
 
     def record_length(self, session: Session, length: int) -> None:
         with self._lock:
-            session.length = length
+            self._set(session, length=length, reserved=0)
             session.last_used = self._clock()
             session.stepping = False
-            session.reserved = 0
 
     def step_failed(self, session: Session) -> None:
         """The step under way failed: its reservation ends and its cache cannot be trusted."""
         with self._lock:
             session.stepping = False
-            session.reserved = 0
+            self._set(session, length=0, reserved=0)
             _drop(session)
 
     def evict_all(self) -> int:
@@ -144,6 +159,7 @@ class SessionStore:
     def _drop_caches(self, chosen: Callable[[Session], bool]) -> int:
         dropped = [s for s in self._sessions.values() if s.held and not s.stepping and chosen(s)]
         for session in dropped:
+            self._set(session, length=0)
             _drop(session)
         return len(dropped)
 
@@ -155,7 +171,7 @@ class SessionStore:
     @property
     def cached_tokens(self) -> int:
         with self._lock:
-            return sum(s.length for s in self._sessions.values())
+            return self._cached
 
 
 def _drop(session: Session) -> None:

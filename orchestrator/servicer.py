@@ -27,6 +27,7 @@ from orchestrator.generation import (
     TargetStream,
 )
 from orchestrator.k_policy import make_policy
+from orchestrator.outbox import Outbox
 from orchestrator.proposals import MODEL, NGRAM, Stats
 from orchestrator.text import TextStream, byte_table
 from orchestrator.upstream import Dial, LinkMessages, ReplicaPool, SessionStream
@@ -373,8 +374,6 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     ) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
         generation_request, policy = await self.validate(request)
         text = TextStream(self.tokenizer, list(request.stop), self.byte_table)
-        finish: int = orchestrator_pb2.FINISH_REASON_UNSPECIFIED
-        streamed = 0
         await self.admission.acquire()
         self.load.running = self.admission.running
         generation = self._generation(generation_request, policy)
@@ -382,28 +381,21 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         structlog.contextvars.bind_contextvars(request_id=generation_request.request_id)
         first = True
         deadline = time.monotonic() + self.config.request_timeout_s
+        outbox = Outbox()
+        producer = asyncio.create_task(self._produce(generation, text, outbox, deadline))
         try:
-            async with contextlib.aclosing(generation.rounds()) as rounds:
-                async for tokens in rounds:
-                    if time.monotonic() > deadline:
-                        raise ServiceError(
-                            grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"the generation ran past the server's limit of {self.config.request_timeout_s:g} s "
-                            "(--request-timeout-s); ask for fewer tokens",
-                        )
-                    delta = text.push(tokens)
-                    streamed += len(delta.token_ids)
-                    if delta.stopped:
-                        finish = orchestrator_pb2.FINISH_REASON_STOP
-                    if delta.text or delta.token_ids:
-                        yield orchestrator_pb2.GenerateResponse(
-                            text=delta.text,
-                            token_ids=delta.token_ids,
-                            request_id=generation_request.request_id if first else "",
-                        )
-                        first = False
-                    if delta.stopped:
-                        break
+            while True:
+                chunk = await outbox.take()
+                if chunk.text or chunk.token_ids:
+                    yield orchestrator_pb2.GenerateResponse(
+                        text=chunk.text,
+                        token_ids=chunk.token_ids,
+                        request_id=generation_request.request_id if first else "",
+                    )
+                    first = False
+                if chunk.closed:
+                    break
+            finish, streamed = await producer  # raises what ended the rounds
             if finish == orchestrator_pb2.FINISH_REASON_UNSPECIFIED:
                 finish = generation.finish_reason
             stats = generation.stats
@@ -420,11 +412,40 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             log.warning("request_failed", code=exc.code.name, error=exc.message)
             raise
         finally:
+            producer.cancel()  # the client went away, or the request failed: no more rounds
+            with contextlib.suppress(BaseException):
+                await producer
             generation.close()
             self.admission.release()
             self.load.running = self.admission.running
             metrics.REQUESTS_RUNNING.dec()
             structlog.contextvars.unbind_contextvars("request_id")
+
+    async def _produce(
+        self, generation: Generation, text: TextStream, outbox: Outbox, deadline: float
+    ) -> tuple[int, int]:
+        """Run the rounds, putting their text in the outbox (never waiting for the client); returns the
+        finish reason a stop string set (else UNSPECIFIED) and the tokens streamed."""
+        finish: int = orchestrator_pb2.FINISH_REASON_UNSPECIFIED
+        streamed = 0
+        try:
+            async with contextlib.aclosing(generation.rounds()) as rounds:
+                async for tokens in rounds:
+                    if time.monotonic() > deadline:
+                        raise ServiceError(
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"the generation ran past the server's limit of {self.config.request_timeout_s:g} s "
+                            "(--request-timeout-s); ask for fewer tokens",
+                        )
+                    delta = text.push(tokens)
+                    streamed += len(delta.token_ids)
+                    outbox.put(delta.text, delta.token_ids)
+                    if delta.stopped:
+                        finish = orchestrator_pb2.FINISH_REASON_STOP
+                        break
+        finally:
+            outbox.close()
+        return finish, streamed
 
     def _record(self, generation: Generation, finish: int) -> None:
         stats: Stats = generation.stats

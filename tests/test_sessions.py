@@ -103,3 +103,42 @@ def test_concurrent_reservations_never_exceed_the_budget():
     for thread in threads:
         thread.join()
     assert len(admitted) == 1
+
+
+def test_the_running_totals_match_the_sessions_through_any_sequence_of_operations():
+    """The budget and the cached-token gauge are kept as sessions change (O(1) a step, not O(sessions));
+    after every operation of a random run they equal the sums they stand for."""
+    import random
+
+    rng = random.Random(3)
+    store, now = _store(max_sessions=6, max_cached_tokens=400)
+    sessions: list = []
+    for _ in range(3000):
+        now[0] += rng.random()
+        operation = rng.randrange(8)
+        if operation == 0 and len(sessions) < 6:
+            sessions.append(store.open("r"))
+        elif sessions:
+            session = rng.choice(sessions)
+            if operation == 1:
+                store.close(session)
+                sessions.remove(session)
+            elif operation == 2:
+                if store.rollback(session, rng.choice([0, session.length, max(0, session.length - 3)])):
+                    try:
+                        store.reserve(session, session.length + rng.randrange(1, 80))
+                    except ServiceError:
+                        store.step_failed(session)
+                        continue
+                    if rng.random() < 0.8:
+                        store.record_length(session, session.reserved)
+                    else:
+                        store.step_failed(session)
+            elif operation == 3:
+                store.expire_idle()
+            elif operation == 4 and rng.random() < 0.1:
+                store.evict_all()
+        held = list(store._sessions.values())
+        assert store._footprint == sum(max(s.length, s.reserved) for s in held)
+        assert store.cached_tokens == sum(s.length for s in held)
+        assert store._footprint <= 400
