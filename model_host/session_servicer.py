@@ -165,6 +165,9 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
     def make_job(self, slot: int, request: RequestT) -> Job:
         """The engine job for a step on a session rolled back to request.keep."""
 
+    def before_responding(self, jobs: list[Job]) -> None:
+        """Work over every job one wake answers, done once for all of them (the target's argmax)."""
+
     @abc.abstractmethod
     def respond(self, job: Job, request: RequestT) -> ResponseT:
         """The response to a finished job (`job.start` is the session's new cached length)."""
@@ -346,9 +349,9 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             link.loop.call_soon_threadsafe(link.wake.set)
 
     def _answer_finished(self, link: _Link) -> None:
-        for session_id, pending in link.take_finished():
-            if link.running.get(session_id) is not pending:
-                continue  # closed meanwhile
+        finished = [(i, p) for i, p in link.take_finished() if link.running.get(i) is p]  # not closed meanwhile
+        self.before_responding([p.job for _, p in finished if p.job.future.exception() is None])
+        for session_id, pending in finished:
             del link.running[session_id]
             job, session = pending.job, pending.session
             error = job.future.exception()

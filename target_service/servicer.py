@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -23,7 +23,9 @@ SERVICE_NAME = "specdec.v1.TargetService"
 class VerifyJob(Job):
     """Feed the block; keep the logits of its last num_logits positions."""
 
+    params: SamplingParams = field(default_factory=SamplingParams)
     logits: torch.Tensor | None = None  # [num_rows, vocab]
+    argmax: list[int] | None = None  # greedy: the rows' argmax ids (TargetServicer.before_responding)
 
     def advance(self, logits: torch.Tensor) -> list[int] | None:
         self.logits = logits
@@ -55,16 +57,31 @@ class TargetServicer(
     def make_job(self, slot: int, request: target_pb2.VerifyRequest) -> Job:
         # After a block's verify the session drafts before it verifies again: no batch waits for it.
         ids = list(request.append_token_ids)
-        return VerifyJob(slot, request.keep, ids, request.num_rows, comes_straight_back=request.num_rows == 1)
+        params = SamplingParams.from_proto(request.sampling)
+        return VerifyJob(
+            slot, request.keep, ids, request.num_rows, comes_straight_back=request.num_rows == 1, params=params
+        )
+
+    def before_responding(self, jobs: list[Job]) -> None:
+        """The argmax of every greedy row a wake answers, in one operation rather than one a session."""
+        greedy = [job for job in jobs if isinstance(job, VerifyJob) and job.params.greedy and job.logits is not None]
+        if not greedy:
+            return
+        rows = [job.logits for job in greedy if job.logits is not None]
+        ids = torch.cat(rows).argmax(dim=-1).tolist()
+        start = 0
+        for job, row in zip(greedy, rows, strict=True):
+            job.argmax = ids[start : start + row.shape[0]]
+            start += row.shape[0]
 
     def respond(self, job: Job, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
         assert isinstance(job, VerifyJob) and job.logits is not None
-        params = SamplingParams.from_proto(request.sampling)
         response = target_pb2.VerifyResponse(result=common_pb2.SESSION_RESULT_OK, cached_tokens=job.start)
-        if params.greedy:
-            response.argmax_token_ids.extend(job.logits.argmax(dim=-1).tolist())
+        if job.params.greedy:
+            argmax = job.argmax if job.argmax is not None else job.logits.argmax(dim=-1).tolist()
+            response.argmax_token_ids.extend(argmax)
         else:
-            response.target_probs.CopyFrom(encode_prob_rows(logits_to_probs(job.logits, params)))
+            response.target_probs.CopyFrom(encode_prob_rows(logits_to_probs(job.logits, job.params)))
         return response
 
 

@@ -314,9 +314,12 @@ def test_streams_are_budgeted_per_peer(target_model):
     server = start_target(target_model, max_streams_per_peer=2)
     try:
         with _channel(server) as channel:
-            first, second, third = (RawSession(target_pb2_grpc.TargetServiceStub(channel).Verify) for _ in range(3))
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            first = RawSession(stub.Verify)  # a stream starts when it is called: one after the other
             assert first.step(_verify([1, 2])).result == OK
+            second = RawSession(stub.Verify)
             assert second.step(_verify([3, 4])).result == OK
+            third = RawSession(stub.Verify)
             with pytest.raises(grpc.RpcError) as error:
                 third.step(_verify([5]))
             assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
