@@ -65,7 +65,7 @@ load-bench: setup
 # On a GPU host, after installing the CUDA build of torch into $(VENV): random-weight 1B target and 100M
 # drafts built on the device, C = 1, 8, 32 (bench/gpu.py).
 gpu-bench: setup
-	$(PY) -m bench.gpu --concurrency 1,8,32
+	$(PY) -m bench.gpu --concurrency 1,8,32,64
 
 # Many clients with cancellations and bad requests for MINUTES (default 10); a 60-second run is in make test.
 MINUTES ?= 10

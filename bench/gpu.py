@@ -204,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="", help="default: bfloat16 on a GPU, float32 on a CPU")
-    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--late-scale", type=float, default=0.05, help="scale of the target's layers the draft lacks")

@@ -266,9 +266,10 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
                         "(--session-idle-timeout-s) and held no session; it was closed",
                     )
                 self._answer_finished(link)
-                for message in self._messages(link.results):
+                # Taken before writing: steps read while a message is written add results of their own.
+                results, link.results = link.results, []
+                for message in self._messages(results):
                     yield message
-                link.results = []
                 if reader.done() and not link.running:
                     reader.result()  # a broken stream raises here
                     if link.ended:

@@ -110,8 +110,8 @@ class Link:
                     await self._call.write(self._messages.batch(steps=chunk))
         except grpc.aio.AioRpcError as exc:
             self._lose(exc.code(), exc.details() or "")
-        except asyncio.InvalidStateError:
-            self._lose(grpc.StatusCode.UNAVAILABLE, "the stream ended")
+        except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+            self._lose(grpc.StatusCode.UNAVAILABLE, f"the stream ended ({type(exc).__name__})")
 
     async def _read(self) -> None:
         try:

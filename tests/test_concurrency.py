@@ -1,5 +1,6 @@
-"""Exactness under continuous batching: many requests at once, of mixed lengths, greedy and sampling,
-different K and policies, one cancelled midway, sessions evicted while they run. Greedy outputs must
+"""Exactness under continuous batching: 64 greedy streams at once over one link per service, of mixed
+lengths, K, policies and proposers, beside sampled ones, one cancelled midway, sessions evicted while
+they run. Greedy outputs must
 equal the target decoding alone; where one differs, the position must be a float near tie (top-two
 logit gap under 1e-4), which is reported."""
 
@@ -37,13 +38,27 @@ def _greedy_requests(rng: random.Random, vocab: int) -> list[tuple[list[int], di
         {"num_speculative_tokens": 3, "overlap_drafting": True},
         {"speculation_policy": orchestrator_pb2.SPECULATION_POLICY_LOAD_AWARE},
         {"num_speculative_tokens": 3, "speculation_policy": orchestrator_pb2.SPECULATION_POLICY_HEURISTIC},
+        {"num_speculative_tokens": 4, "draft_method": orchestrator_pb2.DRAFT_METHOD_NGRAM},
+        {"num_speculative_tokens": 4, "draft_method": orchestrator_pb2.DRAFT_METHOD_HYBRID},
+        {
+            "speculation_policy": orchestrator_pb2.SPECULATION_POLICY_LOAD_AWARE,
+            "draft_method": orchestrator_pb2.DRAFT_METHOD_HYBRID,
+        },
     ]
-    return [([rng.randrange(1, vocab) for _ in range(rng.choice([1, 3, 9, 20, 45]))], s) for s in settings]
+    # 64 streams: every setting several times, with prompts of every length (a lookup needs repeats).
+    prompts = []
+    for index in range(64):
+        length = rng.choice([1, 3, 9, 20, 45])
+        prompt = [rng.randrange(1, vocab) for _ in range(length)]
+        if index % 3 == 0:
+            prompt = (prompt * 3)[: max(length, 12)]
+        prompts.append((prompt, settings[index % len(settings)]))
+    return prompts
 
 
 def test_concurrent_mixed_requests_match_the_target_alone(target_model, close_draft_model):
     # Small prefill chunks and batch budgets: long prompts are chunked and share iterations with decoding.
-    limits = {"prefill_chunk_tokens": 8, "max_batch_tokens": 48, "max_sessions": 32}
+    limits = {"prefill_chunk_tokens": 8, "max_batch_tokens": 96, "max_sessions": 80, "max_batch_size": 64}
     target, draft = start_target(target_model, **limits), start_draft(close_draft_model, **limits)
     orchestrator = OrchestratorThread(orchestrator_config(target, draft))
     rng = random.Random(7)
