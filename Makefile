@@ -59,8 +59,12 @@ bench: setup
 	$(PY) -m bench.gateway_hostile
 
 # Throughput and latency under 1 to 16 concurrent clients (bench/load.py).
+# Under load, 1 to 64 streams, beside Hugging Face's padded batch in the same run: the default pair, then the
+# near-null pair pinned (README, "The control plane at a GPU's shape").
 load-bench: setup
-	$(PY) -m bench --concurrency 1,2,4,8,16 --prompts 32 --max-new-tokens 64
+	$(PY) -m bench --concurrency 1,8,32,64 --prompts 32 --max-new-tokens 64
+	$(PY) -m bench --pair null --placement pinned --concurrency 1,8,32,64 --prompts 32 --max-new-tokens 64 --reps 5 \
+	  --only "target alone (K = 0),specdec fixed K = 4,HF generate() padded batch"
 
 # On a GPU host, after installing the CUDA build of torch into $(VENV): random-weight 1B target and 100M
 # drafts built on the device, C = 1, 8, 32 (bench/gpu.py).
