@@ -367,10 +367,11 @@ def test_same_seed_same_output_over_grpc(orchestrators):
     assert first != other
 
 
-@pytest.mark.parametrize("concurrency", [1, 8])
+@pytest.mark.parametrize("concurrency", [1, 8, 64])
 def test_real_services_first_token_distribution(orchestrators, target_model, concurrency):
-    """Through real gRPC services, alone and eight at a time (batched): the first generated token
-    follows the target's distribution."""
+    """Through real gRPC services, one client, 8 and 64 at a time (batched over one link per service;
+    the test services hold 16 sessions, so of 64 clients 16 generate and the rest queue in the
+    orchestrator): the first generated token follows the target's distribution."""
     samples = 600
     prompt = [5, 6, 7]
     stub = orchestrators["random"].stub
