@@ -326,8 +326,8 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             assert session.cache is not None
             pending = _Pending(session, request, self.make_job(session.cache.slot, request), time.perf_counter())
             future = self.engine.submit(pending.job)
-        except ServiceError as exc:
-            link.results.append(self._result(session_id, error=exc))
+        except Exception as exc:  # noqa: BLE001 - one session's failure, never the link's
+            link.results.append(self._result(session_id, error=self._as_service_error(exc)))
             self._close_session(link, session_id)
             return
         link.running[session_id] = pending
@@ -351,23 +351,27 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
 
     def _answer_finished(self, link: _Link) -> None:
         finished = [(i, p) for i, p in link.take_finished() if link.running.get(i) is p]  # not closed meanwhile
-        self.before_responding([p.job for _, p in finished if p.job.future.exception() is None])
+        try:
+            self.before_responding([p.job for _, p in finished if p.job.future.exception() is None])
+        except Exception:  # each answer then does its own share (respond)
+            log.exception("before_responding_failed")
         for session_id, pending in finished:
             del link.running[session_id]
             job, session = pending.job, pending.session
             error = job.future.exception()
+            if error is None:
+                try:
+                    response = self.respond(job, pending.request)
+                except Exception as exc:  # noqa: BLE001 - this session's answer alone
+                    error = exc
             if error is not None:
-                if not isinstance(error, ServiceError):
-                    log.error("step_failed", error=repr(error))
-                    error = ServiceError(grpc.StatusCode.INTERNAL, f"{HANDLER_INTERNAL_PREFIX}{self.role}: {error!r}")
-                link.results.append(self._result(session_id, error=error))
+                link.results.append(self._result(session_id, error=self._as_service_error(error)))
                 self._close_session(link, session_id)
                 continue
             self.store.record_length(session, job.start)
             self._fed_tokens.inc(len(pending.request.append_token_ids))
             self._forward_seconds.observe(job.forward_seconds)
             self._steps_ok.inc()
-            response = self.respond(job, pending.request)
             timing = response.timing  # type: ignore[attr-defined]
             timing.forward_seconds = job.forward_seconds
             timing.queue_seconds = max(0.0, job.queue_seconds)
@@ -376,6 +380,13 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             timing.service_seconds = time.perf_counter() - pending.started
             link.results.append(self._result(session_id, response=response))
         self._publish_gauges()
+
+    def _as_service_error(self, error: BaseException) -> ServiceError:
+        """A step's failure as the status its session sees; anything but a ServiceError is a bug, logged."""
+        if isinstance(error, ServiceError):
+            return error
+        log.error("step_failed", error=repr(error), exc_info=error)
+        return ServiceError(grpc.StatusCode.INTERNAL, f"{HANDLER_INTERNAL_PREFIX}{self.role} step: {error!r}")
 
     def _result(self, session_id: int, response: Any = None, error: ServiceError | None = None) -> Any:
         result = self.result_type(session=session_id)

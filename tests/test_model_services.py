@@ -308,6 +308,38 @@ def test_a_link_carries_many_sessions_and_a_bad_step_fails_only_its_own(target_s
     assert wait_until(lambda: target_server.servicer.store.open_sessions == 0)
 
 
+def test_a_bug_in_one_sessions_answer_fails_that_session_alone(target_model):
+    """An unexpected exception while answering one step (a server bug) is that session's INTERNAL,
+    marked as the handler's own (not retried); the link and the other sessions go on."""
+    from model_host.session_servicer import HANDLER_INTERNAL_PREFIX
+
+    server = start_target(target_model)
+    respond = server.servicer.respond
+
+    def buggy(job, request):
+        if request.append_token_ids[0] == 77:
+            raise RuntimeError("boom")
+        return respond(job, request)
+
+    server.servicer.respond = buggy  # type: ignore[method-assign]
+    try:
+        with _channel(server) as channel:
+            link = Link(channel)
+            results = link.send(
+                target_pb2.VerifyStep(session=1, step=_verify([5, 6])),
+                target_pb2.VerifyStep(session=2, step=_verify([77, 6])),
+            )
+            assert results[2].error.code == grpc.StatusCode.INTERNAL.value[0]
+            assert results[2].error.message.startswith(HANDLER_INTERNAL_PREFIX) and "boom" in results[2].error.message
+            assert not results[1].HasField("error")
+            again = link.send(target_pb2.VerifyStep(session=3, step=_verify([8, 9])))
+            assert not again[3].HasField("error")
+            link.close()
+        assert wait_until(lambda: server.servicer.store.open_sessions == 0)
+    finally:
+        server.stop()
+
+
 def test_streams_are_budgeted_per_peer(target_model):
     """Idle streams from one client are refused beyond --max-streams-per-peer, naming the flag; the
     streams it holds keep working."""
