@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import default_models
+from serving.cpus import available_cpus
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from tools.client import generate, summary
 
@@ -120,11 +121,12 @@ class LocalStack:
 
     def _service_args(self) -> list[str]:
         """The services share this machine's cores: unless told otherwise, each model service gets
-        half of them, so that two OpenMP pools do not fight over the same cores (measured on 2 cores:
-        8 concurrent streams at K = 2 ran 1.6x faster with one thread per service than with two)."""
+        half of those this process may use (its affinity and cgroup quota), so that two OpenMP pools
+        do not fight over the same cores (measured on 2 cores: 8 concurrent streams at K = 2 ran 1.6x
+        faster with one thread per service than with two)."""
         args = list(self.extra_service_args)
         if "--threads" not in args:
-            args += ["--threads", str(max(1, (os.cpu_count() or 2) // 2))]
+            args += ["--threads", str(max(1, available_cpus() // 2))]
         return args
 
     def __enter__(self) -> LocalStack:
