@@ -13,8 +13,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serving.security import ApiKeys
-from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2_grpc
-from tests.conftest import collect
+from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2, target_pb2_grpc
+from tests.conftest import RawSession, collect
 from tests.servers import LOOPBACK, OrchestratorThread, orchestrator_config, start_target
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
@@ -29,6 +29,8 @@ class Pki:
     client_key: Path
     stranger_cert: Path  # signed by another CA
     stranger_key: Path
+    second_cert: Path  # another client of the same CA
+    second_key: Path
 
 
 def _openssl(*args: str) -> None:
@@ -58,7 +60,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     server = _signed(folder, "server", ca, "IP:127.0.0.1,DNS:localhost")
     client = _signed(folder, "client", ca, "DNS:orchestrator")
     stranger = _signed(folder, "stranger", other, "DNS:stranger")
-    return Pki(ca[0], *server, *client, *stranger)
+    second = _signed(folder, "second-client", ca, "DNS:second")
+    return Pki(ca[0], *server, *client, *stranger, *second)
 
 
 def _creds(pki: Pki, cert: Path | None = None, key: Path | None = None) -> grpc.ChannelCredentials:
@@ -86,6 +89,34 @@ def test_mutual_tls_refuses_clients_without_the_right_certificate(pki, target_mo
             assert error.value.code() == grpc.StatusCode.UNAVAILABLE
         with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError):
             target_pb2_grpc.TargetServiceStub(channel).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=5)
+    finally:
+        server.stop()
+
+
+def test_streams_are_budgeted_per_certificate_under_mutual_tls(pki, target_model):
+    """Under mutual TLS a client is its certificate, not its address: a second stream with the first
+    client's certificate is refused at a budget of one, another client's, from the same address, is not."""
+    server = start_target(
+        target_model, tls_cert=str(pki.server_cert), tls_key=str(pki.server_key), tls_client_ca=str(pki.ca),
+        max_streams_per_peer=1,
+    )  # fmt: skip
+    address = f"{LOOPBACK}:{server.port}"
+    step = target_pb2.VerifyRequest(keep=0, append_token_ids=[3, 4], num_rows=1)
+    try:
+        with grpc.secure_channel(address, _creds(pki, pki.client_cert, pki.client_key)) as first_channel:
+            held = RawSession(target_pb2_grpc.TargetServiceStub(first_channel).Verify)
+            assert held.step(step).result == common_pb2.SESSION_RESULT_OK
+            with grpc.secure_channel(address, _creds(pki, pki.client_cert, pki.client_key)) as same:
+                refused = RawSession(target_pb2_grpc.TargetServiceStub(same).Verify)
+                with pytest.raises(grpc.RpcError) as error:
+                    refused.step(step)
+                assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "client" in error.value.details() and "--max-streams-per-peer" in error.value.details()
+            with grpc.secure_channel(address, _creds(pki, pki.second_cert, pki.second_key)) as other:
+                second = RawSession(target_pb2_grpc.TargetServiceStub(other).Verify)
+                assert second.step(step).result == common_pb2.SESSION_RESULT_OK
+                second.close()
+            held.close()
     finally:
         server.stop()
 
