@@ -27,10 +27,11 @@ from orchestrator.generation import (
     TargetStream,
 )
 from orchestrator.k_policy import make_policy
+from orchestrator.link import LinkMessages
 from orchestrator.outbox import Outbox
 from orchestrator.proposals import MODEL, NGRAM, Stats
 from orchestrator.text import TextStream, byte_table
-from orchestrator.upstream import Dial, LinkMessages, ReplicaPool, SessionStream
+from orchestrator.upstream import Dial, ReplicaPool, SessionStream
 from serving.errors import ServiceError, failed_precondition, invalid_argument
 from serving.protocol import (
     DRAFT_METHOD_BY_ENUM,

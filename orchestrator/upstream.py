@@ -10,20 +10,19 @@ client notices nothing but the cost of one prefill.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 import random
 import socket
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 import structlog
 
+from orchestrator.link import Link, LinkLost, LinkMessages, result_failure
 from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError, unavailable
-from serving.server import CHANNEL_OPTIONS, MESSAGE_BUDGET_BYTES
+from serving.server import CHANNEL_OPTIONS
 from specdec.v1 import common_pb2
 
 log = structlog.get_logger(__name__)
@@ -38,124 +37,6 @@ _RETRYABLE = {
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.DEADLINE_EXCEEDED,
 }
-
-
-class LinkLost(Exception):
-    """A link's stream ended or broke: every step on it is to be resent (on a reopened session)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-        self.details = details
-
-
-@dataclass(frozen=True)
-class LinkMessages:
-    """A service's link messages: `open(stub)` starts the stream; `step` and `batch` build its entries
-    (VerifyStep, VerifyBatch or DraftStep, DraftBatch)."""
-
-    open: Callable[[Any], Any]
-    step: Callable[..., Any]
-    batch: Callable[..., Any]
-
-
-class Link:
-    """One stream to a replica that carries the steps of every session pinned there.
-
-    A step waits in `_entries` until the writer runs, after every request that is ready in the same
-    turn of the event loop has added its own; so each message holds every step ready at that moment,
-    and no request waits for another: one whose answer comes back sends its next step in the next
-    message. Answers come one message per engine iteration of the service; each resolves its
-    sessions' futures."""
-
-    def __init__(self, call: Any, messages: LinkMessages) -> None:
-        self._call = call
-        self._messages = messages
-        self._entries: list[Any] = []
-        self._waiting: dict[int, asyncio.Future[Any]] = {}
-        self._wake = asyncio.Event()
-        self._ids = itertools.count(1)
-        self.lost: LinkLost | None = None
-        self._writer = asyncio.create_task(self._write())
-        self._reader = asyncio.create_task(self._read())
-
-    def new_session(self) -> int:
-        return next(self._ids)
-
-    def step(self, session: int, request: Any) -> asyncio.Future[Any]:
-        """Send one session's step; the future resolves to its result (response or error)."""
-        if self.lost is not None:
-            raise self.lost
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._waiting[session] = future
-        self._entries.append(self._messages.step(session=session, step=request))
-        self._wake.set()
-        return future
-
-    def close_session(self, session: int) -> None:
-        """End a session on the replica (its cache is freed; a step under way is cancelled)."""
-        self._waiting.pop(session, None)
-        if self.lost is None:
-            self._entries.append(self._messages.step(session=session, close=True))
-            self._wake.set()
-
-    async def _write(self) -> None:
-        try:
-            while True:
-                await self._wake.wait()
-                await asyncio.sleep(0)  # one more turn: requests woken by the last answer add their steps
-                self._wake.clear()
-                entries, self._entries = self._entries, []
-                for chunk in _by_size(entries):
-                    await self._call.write(self._messages.batch(steps=chunk))
-        except grpc.aio.AioRpcError as exc:
-            self._lose(exc.code(), exc.details() or "")
-        except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
-            self._lose(grpc.StatusCode.UNAVAILABLE, f"the stream ended ({type(exc).__name__})")
-
-    async def _read(self) -> None:
-        try:
-            async for message in self._call:
-                for result in message.results:
-                    future = self._waiting.pop(result.session, None)
-                    if future is not None and not future.done():
-                        future.set_result(result)
-            self._lose(grpc.StatusCode.UNAVAILABLE, "the replica ended the stream")
-        except grpc.aio.AioRpcError as exc:
-            self._lose(exc.code(), exc.details() or "")
-
-    def _lose(self, code: grpc.StatusCode, details: str) -> None:
-        if self.lost is not None:
-            return
-        self.lost = LinkLost(code, details)
-        self._writer.cancel()
-        waiting, self._waiting = self._waiting, {}
-        for future in waiting.values():
-            if not future.done():
-                future.set_exception(self.lost)
-        self._call.cancel()
-
-    async def close(self) -> None:
-        self._lose(grpc.StatusCode.CANCELLED, "closed")
-        for task in (self._writer, self._reader):
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-
-
-def _by_size(entries: list[Any]) -> Iterator[list[Any]]:
-    """`entries` in messages under MESSAGE_BUDGET_BYTES (a step with dense rows is large)."""
-    chunk: list[Any] = []
-    size = 0
-    for entry in entries:
-        entry_size = entry.ByteSize()
-        if chunk and size + entry_size > MESSAGE_BUDGET_BYTES:
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(entry)
-        size += entry_size
-    if chunk:
-        yield chunk
 
 
 @dataclass
@@ -356,7 +237,7 @@ class SessionStream(Generic[RequestT, ResponseT]):
             started = time.perf_counter()
             try:
                 result = await self._link.step(self._session, request)
-                failure = _failure(result)
+                failure = result_failure(result)
             except LinkLost as exc:
                 failure = exc
             if failure is not None:
@@ -430,17 +311,6 @@ class Stepped(Generic[ResponseT]):
     response: ResponseT
     fed: int
     seconds: float
-
-
-def _failure(result: Any) -> LinkLost | None:
-    """A result's error, in the shape of a lost link's (None when it carries a response)."""
-    if not result.HasField("error"):
-        return None
-    code = _CODES.get(result.error.code, grpc.StatusCode.UNKNOWN)
-    return LinkLost(code, result.error.message)
-
-
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def _retryable(failure: LinkLost) -> bool:

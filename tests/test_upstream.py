@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from orchestrator.upstream import LinkMessages, ReplicaPool, SessionStream
+from orchestrator.link import LinkMessages
+from orchestrator.upstream import ReplicaPool, SessionStream
 from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError
 from specdec.v1 import common_pb2, target_pb2
 
