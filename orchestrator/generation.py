@@ -124,8 +124,6 @@ class Generation:
         draft: DraftStream | None,
         availability: DraftAvailability,
         policy: KPolicy,
-        draft_timeout_s: float,
-        target_timeout_s: float = 60.0,
         load: ServiceLoad | None = None,
         lookup_policy: KPolicy | None = None,
     ) -> None:
@@ -135,8 +133,6 @@ class Generation:
         self.draft = draft
         self.availability = availability
         self.policy = policy
-        self.draft_timeout_s = draft_timeout_s
-        self.target_timeout_s = target_timeout_s
         self.load = load  # learns from every step's timing, for the load-aware policy
         self.sequence = list(request.prompt_token_ids)
         self.lookup: NgramIndex | None = None  # prompt lookup, for the ngram and hybrid methods
@@ -363,13 +359,12 @@ class Generation:
         k = min(k, self.limits.draft_max_context - len(context))
         if k < 1:
             return NO_DRAFT
-        try:
-            async with asyncio.timeout(self.draft_timeout_s):
-                stepped = await draft.step(
-                    context,
-                    lambda keep: self._draft_request(context, keep, k),
-                    fed_beyond=lambda response: response.draft_token_ids,  # all but the last are fed
-                )
+        try:  # a step unanswered for --draft-timeout-s raises TimeoutError (its link's timer)
+            stepped = await draft.step(
+                context,
+                lambda keep: self._draft_request(context, keep, k),
+                fed_beyond=lambda response: response.draft_token_ids,  # all but the last are fed
+            )
             response = stepped.response
             probs = None
             if not self.request.sampling.greedy:
@@ -411,24 +406,23 @@ class Generation:
         context = [*self.sequence, *draft.token_ids]
         rows = len(draft.token_ids) + 1
         sampling = self.sampling_proto
-        try:
-            async with asyncio.timeout(self.target_timeout_s):
-                stepped = await self.target.step(
-                    context,
-                    lambda keep: target_pb2.VerifyRequest(
-                        request_id=self.request.request_id,
-                        keep=keep,
-                        append_token_ids=context[keep:],
-                        num_rows=rows,
-                        sampling=sampling,
-                    ),
-                    min_append=rows,  # the rows start at the last committed token
-                )
+        try:  # a step unanswered for --target-timeout-s raises TimeoutError (its link's timer)
+            stepped = await self.target.step(
+                context,
+                lambda keep: target_pb2.VerifyRequest(
+                    request_id=self.request.request_id,
+                    keep=keep,
+                    append_token_ids=context[keep:],
+                    num_rows=rows,
+                    sampling=sampling,
+                ),
+                min_append=rows,  # the rows start at the last committed token
+            )
         except TimeoutError as exc:
             self.target.reset()  # the replica is avoided for a while
             raise ServiceError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"the target did not answer a step within {self.target_timeout_s:g} s (--target-timeout-s)",
+                f"the target did not answer a step: {exc} (--target-timeout-s)",
             ) from exc
         response = stepped.response
         target_seconds = response.timing.forward_seconds

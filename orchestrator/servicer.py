@@ -161,14 +161,26 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             )
         dial = Dial(credentials, config.upstream_tls_server_name)
         target_pool = ReplicaPool(
-            "target", config.target, target_pb2_grpc.TargetServiceStub, TARGET_LINK, config.resolve_interval_s, dial
+            "target",
+            config.target,
+            target_pb2_grpc.TargetServiceStub,
+            TARGET_LINK,
+            config.resolve_interval_s,
+            dial,
+            step_timeout_s=config.target_timeout_s,
         )
         await target_pool.start()
         target_info = await fetch_model_info(target_pool, config.startup_timeout_s)
         draft: DraftSide | None = None
         if config.draft:
             pool = ReplicaPool(
-                "draft", config.draft, draft_pb2_grpc.DraftServiceStub, DRAFT_LINK, config.resolve_interval_s, dial
+                "draft",
+                config.draft,
+                draft_pb2_grpc.DraftServiceStub,
+                DRAFT_LINK,
+                config.resolve_interval_s,
+                dial,
+                step_timeout_s=config.draft_timeout_s,
             )
             await pool.start()
             draft = DraftSide(pool)
@@ -364,8 +376,6 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             draft,
             self.availability,
             make_policy(policy, initial_k, max_k, self.load),
-            cfg.draft_timeout_s,
-            cfg.target_timeout_s,
             self.load,
             lookup_policy,
         )

@@ -50,9 +50,9 @@ class Replica:
     failed_at: float = -1e9
     link: Link | None = None  # the stream its sessions share, opened on first use
 
-    def live_link(self, messages: LinkMessages) -> Link:
+    def live_link(self, messages: LinkMessages, timeout_s: float) -> Link:
         if self.link is None or self.link.lost is not None:
-            self.link = Link(messages.open(self.stub), messages)
+            self.link = Link(messages.open(self.stub), messages, timeout_s)
         return self.link
 
 
@@ -104,9 +104,11 @@ class ReplicaPool:
         messages: LinkMessages,
         resolve_interval_s: float,
         dial: Dial | None = None,
+        step_timeout_s: float = 60.0,
     ):
         self.name = name
         self.messages = messages
+        self.step_timeout_s = step_timeout_s  # a step unanswered this long fails with TimeoutError
         self._dial = dial or Dial()
         self._static, self._dns_name = parse_replicas(spec)
         self._make_stub = make_stub
@@ -274,7 +276,7 @@ class SessionStream(Generic[RequestT, ResponseT]):
         previous = self.replica
         self.replica = self.pool.pick(avoid=previous)
         self.replica.active += 1
-        self._link = self.replica.live_link(self.pool.messages)
+        self._link = self.replica.live_link(self.pool.messages, self.pool.step_timeout_s)
         self._session = self._link.new_session()
         if self.held or previous is not None:
             self.reopens += 1

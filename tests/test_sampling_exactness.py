@@ -223,7 +223,6 @@ async def _sample_many(
             TableDraft(draft_logits) if draft_method != "ngram" else None,  # type: ignore[arg-type]
             DraftAvailability(1.0),
             FixedKBesidePrefill(k, k) if beside_prefill else FixedK(k, k),
-            draft_timeout_s=10.0,
             lookup_policy=FixedK(k, k) if draft_method != "model" else None,
         )
         output: list[int] = []
@@ -316,7 +315,6 @@ def test_the_drafts_prefill_beside_the_targets_prices_no_round(tables, close_tab
         draft,  # type: ignore[arg-type]
         DraftAvailability(1.0),
         policy,
-        draft_timeout_s=10.0,
     )
 
     async def run() -> list[int]:

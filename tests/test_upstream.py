@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -21,7 +22,7 @@ class _Call:
     """A link stream that answers every step it is sent: with `error` raised as the stream's own (a
     lost stream), with `error` as that step's result (a StepError), or OK."""
 
-    def __init__(self, error: grpc.aio.AioRpcError | common_pb2.StepError | None):
+    def __init__(self, error: grpc.aio.AioRpcError | common_pb2.StepError | str | None):
         self.error = error
         self.cancelled = False
         self.cancelled_before_close = False
@@ -38,13 +39,15 @@ class _Call:
     async def _answers(self) -> AsyncIterator[target_pb2.VerifyResults]:
         while True:
             session = await self._sessions.get()
+            if self.error == "hang":
+                continue  # a hung replica: the step is never answered
             if isinstance(self.error, grpc.aio.AioRpcError):
                 raise self.error
             result = target_pb2.VerifyResult(session=session)
-            if self.error is None:
-                result.response.result = common_pb2.SESSION_RESULT_OK
-            else:
+            if isinstance(self.error, common_pb2.StepError):
                 result.error.CopyFrom(self.error)
+            else:
+                result.response.result = common_pb2.SESSION_RESULT_OK
             yield target_pb2.VerifyResults(results=[result])
 
     def cancel(self) -> None:
@@ -109,6 +112,27 @@ def test_a_draining_replica_sends_the_session_elsewhere():
     stream, opened, _ = _step([error, None])
     assert len(opened) == 2 and not opened[0].cancelled_before_close  # the link itself is fine: other sessions go on
     assert stream.reopens == 1
+
+
+def test_a_step_a_replica_never_answers_times_out():
+    """A hung replica: the link's timer fails the step with TimeoutError after the pool's step timeout
+    (the orchestrator turns it into DEADLINE_EXCEEDED and avoids the replica)."""
+
+    async def run() -> float:
+        pool = ReplicaPool(
+            "target", "127.0.0.1:1", lambda channel: lambda: _Call("hang"), LINK, 60.0, step_timeout_s=0.3
+        )
+        await pool.start()
+        stream: Stream = SessionStream(pool, request_id="r1")
+        started = time.monotonic()
+        try:
+            with pytest.raises(TimeoutError):
+                await stream.step([1, 2], lambda keep: target_pb2.VerifyRequest(keep=keep))
+        finally:
+            await pool.close()
+        return time.monotonic() - started
+
+    assert 0.3 <= asyncio.run(run()) < 1.5
 
 
 def test_a_steps_time_is_its_answering_attempt_alone():
