@@ -1,11 +1,8 @@
-"""Names the three servers and their clients share: metadata keys and the speculation policies."""
+"""Names the three servers and their clients share: limits and the speculation policies."""
 
 from __future__ import annotations
 
 from specdec.v1 import orchestrator_pb2
-
-# gRPC metadata key carrying a request's id from the orchestrator to both model services.
-REQUEST_ID_METADATA = "x-request-id"
 
 # A prompt's text may be at most this many characters per token of the target's context, in the gRPC
 # API and the gateway alike: any text that could fit is far shorter, and a longer one is refused before
