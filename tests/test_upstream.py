@@ -173,3 +173,20 @@ def test_reusable_prefix(held, context, min_append, keep):
     from orchestrator.upstream import reusable_prefix
 
     assert reusable_prefix(held, context, min_append) == keep
+
+
+def test_a_links_message_is_split_before_the_size_budget(monkeypatch):
+    """Steps with dense rows travel in several messages, each under the budget (a single step larger
+    than the budget goes alone, within the hard limit); nothing is dropped or reordered."""
+    from orchestrator import link
+
+    monkeypatch.setattr(link, "MESSAGE_BUDGET_BYTES", 1000)  # two 480-byte steps a message
+    steps = [
+        target_pb2.VerifyStep(session=i, step=target_pb2.VerifyRequest(append_token_ids=list(range(300))))
+        for i in range(5)
+    ]
+    big = target_pb2.VerifyStep(session=9, step=target_pb2.VerifyRequest(append_token_ids=list(range(2000))))
+    chunks = list(link._by_size([*steps, big]))
+    assert [step.session for chunk in chunks for step in chunk] == [0, 1, 2, 3, 4, 9]
+    assert all(sum(s.ByteSize() for s in chunk) <= 1000 for chunk in chunks if len(chunk) > 1)
+    assert chunks[-1] == [big] and len(chunks) == 4
