@@ -41,6 +41,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from bench.load import (
+    HF_BATCH_NAME,
     LOAD_CONFIGS,
     LoadConfig,
     LoadSample,
@@ -62,7 +63,7 @@ CLOSE_CONFIGS = [
     LoadConfig("specdec fixed K = 2, close draft", "services", 2),
 ]
 UNRELATED = LoadConfig("specdec load-aware, unrelated draft", "services", None, "load_aware")
-HF_BATCH = LoadConfig("HF generate(), padded batch", "hf_batch")
+HF_BATCH = LoadConfig(HF_BATCH_NAME, "hf_batch")  # the name `summarise_load` takes its x HF ratios from
 SECOND_BASELINE = f"{TARGET_ALONE.name}, unrelated draft's stack"
 # The unrelated draft is compared with the target alone in its own stack.
 BASELINES = {UNRELATED.name: SECOND_BASELINE, SECOND_BASELINE: SECOND_BASELINE}

@@ -40,16 +40,15 @@ class LoadConfig:
     policy: str = "fixed"
 
 
-HF_BATCH = "HF generate() padded batch"
+HF_BATCH_NAME = "HF generate() padded batch"
 LOAD_CONFIGS = [
     LoadConfig("target alone (K = 0)", "services", 0),
     LoadConfig("specdec fixed K = 2", "services", 2),
     LoadConfig("specdec fixed K = 4", "services", 4),
     LoadConfig("specdec load-aware", "services", None, "load_aware"),
-    LoadConfig(HF_BATCH, "hf_batch"),
+    LoadConfig(HF_BATCH_NAME, "hf_batch"),
     LoadConfig("HF generate_batch (continuous batching)", "hf_cb"),
 ]
-HF_BATCH = "HF generate() padded batch"
 
 
 @dataclass
@@ -190,7 +189,7 @@ def summarise_load(
             hf = [
                 s.tokens_per_second / base.tokens_per_second
                 for s in runs
-                if (base := by_key.get((HF_BATCH, concurrency, s.rep)))
+                if (base := by_key.get((HF_BATCH_NAME, concurrency, s.rep)))
             ]
             ttft = [t for s in runs for t in s.ttft]
             itl = [t for s in runs for t in s.itl]

@@ -85,6 +85,7 @@ class _Link:
     def __init__(self, peer: str) -> None:
         self.peer = peer
         self.loop = asyncio.get_running_loop()
+        self.loop_thread = threading.get_ident()
         self.sessions: dict[int, Session] = {}
         self.running: dict[int, _Pending] = {}  # session id -> its step in the engine
         self.results: list[Any] = []  # answers ready to send
@@ -336,7 +337,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
     def _on_done(self, link: _Link, session_id: int, pending: _Pending) -> None:
         if not link.on_done(session_id, pending):
             return
-        if asyncio._get_running_loop() is link.loop:  # failed or cancelled on the event loop itself
+        if threading.get_ident() == link.loop_thread:  # failed or cancelled on the event loop itself
             link.wake.set()
         else:  # the engine's thread: woken after the forward, with every other link it answered
             with self._links_lock:
@@ -350,15 +351,16 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             link.loop.call_soon_threadsafe(link.wake.set)
 
     def _answer_finished(self, link: _Link) -> None:
-        finished = [(i, p) for i, p in link.take_finished() if link.running.get(i) is p]  # not closed meanwhile
+        finished = [
+            (i, p, p.job.future.exception()) for i, p in link.take_finished() if link.running.get(i) is p
+        ]  # not closed meanwhile
         try:
-            self.before_responding([p.job for _, p in finished if p.job.future.exception() is None])
+            self.before_responding([p.job for _, p, error in finished if error is None])
         except Exception:  # each answer then does its own share (respond)
             log.exception("before_responding_failed")
-        for session_id, pending in finished:
+        for session_id, pending, error in finished:
             del link.running[session_id]
             job, session = pending.job, pending.session
-            error = job.future.exception()
             if error is None:
                 try:
                     response = self.respond(job, pending.request)

@@ -64,15 +64,18 @@ class TargetServicer(
 
     def before_responding(self, jobs: list[Job]) -> None:
         """The argmax of every greedy row a wake answers, in one operation rather than one a session."""
-        greedy = [job for job in jobs if isinstance(job, VerifyJob) and job.params.greedy and job.logits is not None]
+        greedy = [
+            (job, job.logits)
+            for job in jobs
+            if isinstance(job, VerifyJob) and job.params.greedy and job.logits is not None
+        ]
         if not greedy:
             return
-        rows = [job.logits for job in greedy if job.logits is not None]
-        ids = torch.cat(rows).argmax(dim=-1).tolist()
+        ids = torch.cat([logits for _, logits in greedy]).argmax(dim=-1).tolist()  # [rows over all jobs]
         start = 0
-        for job, row in zip(greedy, rows, strict=True):
-            job.argmax = ids[start : start + row.shape[0]]
-            start += row.shape[0]
+        for job, logits in greedy:
+            job.argmax = ids[start : start + logits.shape[0]]
+            start += logits.shape[0]
 
     def respond(self, job: Job, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
         assert isinstance(job, VerifyJob) and job.logits is not None

@@ -17,6 +17,7 @@ import torch
 
 from model_host.loading import LoadedModel
 from model_host.runtime import ModelServer
+from orchestrator.link import result_failure
 from specdec.v1 import draft_pb2, orchestrator_pb2, target_pb2
 from tests.servers import OrchestratorThread, load, orchestrator_config, start_draft, start_target
 from tests.tiny_models import TinyPair, build_pair
@@ -145,7 +146,6 @@ _LINK_TYPES = {
     target_pb2.VerifyRequest: (target_pb2.VerifyStep, target_pb2.VerifyBatch),
     draft_pb2.DraftRequest: (draft_pb2.DraftStep, draft_pb2.DraftBatch),
 }
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class RawSession:
@@ -163,8 +163,9 @@ class RawSession:
         self._requests.put(batch_type(steps=[step_type(session=self.session, step=request)]))
         (result,) = next(self._responses).results
         assert result.session == self.session
-        if result.HasField("error"):
-            raise StepFailed(_CODES[result.error.code], result.error.message)
+        failure = result_failure(result)
+        if failure is not None:
+            raise StepFailed(failure.code, failure.details)
         return result.response
 
     def close_session(self) -> None:
