@@ -18,12 +18,13 @@ import grpc
 import structlog
 import torch
 
-from orchestrator.costs import HybridChoice, ServiceLoad
+from orchestrator.goodput import StepTimes
 from orchestrator.k_policy import KPolicy
 from orchestrator.metrics import CHOSEN_K
 from orchestrator.ngram import NgramIndex
 from orchestrator.proposals import MODEL, NGRAM, NO_DRAFT, Draft, Stats, point_masses
-from orchestrator.rejection import Verdict, acceptance_probability, verify_greedy, verify_sampled
+from orchestrator.rejection import SampledRound, Verdict, acceptance_probability, draw_uniforms, verify_greedy
+from orchestrator.sampler import BatchSampler
 from orchestrator.upstream import SessionStream
 from serving.errors import ServiceError
 from serving.sampling import SamplingParams, seeded_generator
@@ -124,29 +125,24 @@ class Generation:
         draft: DraftStream | None,
         availability: DraftAvailability,
         policy: KPolicy,
-        load: ServiceLoad | None = None,
+        times: StepTimes | None = None,
         lookup_policy: KPolicy | None = None,
+        sampler: BatchSampler | None = None,
     ) -> None:
         self.request = request
         self.limits = limits
         self.target = target
         self.draft = draft
         self.availability = availability
+        self.sampler = sampler or BatchSampler()  # the orchestrator's, shared: accept/reject over the batch
         self.policy = policy
-        self.load = load  # learns from every step's timing, for the load-aware policy
+        self.times = times  # learns from every target step's timing, for the load-aware policy
         self.sequence = list(request.prompt_token_ids)
         self.lookup: NgramIndex | None = None  # prompt lookup, for the ngram and hybrid methods
         self.lookup_policy = lookup_policy  # K for lookup blocks, which cost nothing to draft
         if request.draft_method != MODEL and lookup_policy is not None:
             self.lookup = NgramIndex(request.ngram_min, request.ngram_max)
             self.lookup.extend(self.sequence)
-        # hybrid: whether rounds the lookup cannot propose for ask the draft model (costs.HybridChoice),
-        # decided with `running` requests generating
-        self.hybrid: HybridChoice | None = None
-        if self.lookup is not None and request.draft_method != NGRAM and load is not None:
-            self.hybrid = load.hybrid
-        self.running_at_start = load.running if load is not None else 0
-        self.model_on_misses = self.hybrid is None or self.hybrid.model_on_misses(self.running_at_start)
         self.generator = seeded_generator(request.seed)
         self.drafting_refused = False  # the draft refused this request's steps: no more drafting for it
         self.sampling_proto = request.sampling.to_proto()  # the same for every round
@@ -172,6 +168,7 @@ class Generation:
                     if produced == len(beside.tokens):  # the draft's prefill, beside the target's
                         round_started = time.perf_counter()  # is no round's cost, as the prefill is not
                 draft, prefill_side_k = await self._block(produced, ready)
+                draft_wait = time.perf_counter() - round_started  # what the target's step waited for
                 CHOSEN_K.observe(len(draft.token_ids))
                 # Beside the target's step the draft may work: drafting the next block as if this one
                 # were all accepted (its first token guesses the bonus token; the rest is the next
@@ -184,7 +181,7 @@ class Generation:
                     side_k = 1
                     self.stats.probe_rounds += 1
                 checked, side = await self._verify_beside(draft, side_k)
-                self._learn(draft, checked, produced, time.perf_counter() - round_started)
+                self._learn(draft, checked, produced, time.perf_counter() - round_started, draft_wait)
                 tokens = self._commit(checked.verdict)
                 # A probe's token, and the first token of a block drafted beside the prefill, guessed the
                 # token this step decided: the policy learns from them as from a probe.
@@ -202,7 +199,7 @@ class Generation:
         draft = self._lookup(produced)
         if draft.token_ids:
             return draft, 0
-        k = self._round_k(produced) if self.model_on_misses else 0
+        k = self._round_k(produced)
         if k and not produced and (self.request.overlap_drafting or self.policy.drafts_beside_prefill):
             # The target prefills the prompt alone (K = 0) while the draft prefills it beside and
             # drafts the next block, rather than first prefilling and drafting while the target waits:
@@ -217,9 +214,9 @@ class Generation:
         return (await self._propose(self.sequence, k) if k else NO_DRAFT), 0
 
     def _probe_due(self) -> bool:
-        return self.model_on_misses and self._drafting_usable() and self.policy.probe_due()
+        return self._drafting_usable() and self.policy.probe_due()
 
-    def _learn(self, draft: Draft, checked: Checked, produced: int, seconds: float) -> None:
+    def _learn(self, draft: Draft, checked: Checked, produced: int, seconds: float, draft_wait: float) -> None:
         """Tell the block's policy how the round went (its verdict; its wall time but for the prefill)."""
         policy = self.policy
         if draft.proposer == NGRAM:
@@ -227,7 +224,7 @@ class Generation:
             policy = self.lookup_policy
         policy.observe(checked.verdict, draft.forward_seconds, checked.target_seconds)
         if produced:  # the first round is the prompt's prefill
-            policy.observe_wall(len(draft.token_ids), seconds, draft.fed)
+            policy.observe_wall(len(draft.token_ids), seconds, draft_wait, draft.fed, draft.forward_seconds_per_token)
         self.stats.record_round(checked.verdict, draft.proposer)
 
     def _account(self, tokens: list[int], produced: int, started: float) -> None:
@@ -238,11 +235,6 @@ class Generation:
         self.stats.output_tokens = produced
         self.stats.total_seconds = now - started
         self._check_finished(tokens, produced)
-        if self.hybrid is not None and self.finish_reason != orchestrator_pb2.FINISH_REASON_UNSPECIFIED:
-            # Tokens after the first, over the time after it: the prompt's prefill is the same either
-            # way, and a long prompt must not make its way look slow.
-            decode_seconds = self.stats.total_seconds - self.stats.time_to_first_token_seconds
-            self.hybrid.observe(self.running_at_start, self.model_on_misses, produced - 1, decode_seconds)
 
     async def _settle(self, beside: Beside) -> Draft | None:
         """Await the draft's work beside the last step: score it if it was a probe's, and return the rest
@@ -383,9 +375,15 @@ class Generation:
             draft.reset()
             return NO_DRAFT
         self.stats.draft_seconds += response.timing.forward_seconds
-        if self.load is not None:
-            self.load.observe_draft(response.timing, len(token_ids), stepped.fed, stepped.seconds)
-        return Draft(token_ids=token_ids, probs=probs, forward_seconds=response.timing.forward_seconds, fed=stepped.fed)
+        if self.times is not None:
+            self.times.draft.observe(response.timing, len(token_ids))
+        return Draft(
+            token_ids=token_ids,
+            probs=probs,
+            forward_seconds=response.timing.forward_seconds,
+            fed=stepped.fed,
+            forward_seconds_per_token=response.timing.forward_seconds / len(token_ids),
+        )
 
     async def _verify_beside(self, draft: Draft, side_k: int) -> tuple[Checked, asyncio.Task[Draft] | None]:
         """The target's check of `draft`, and the task drafting `side_k` tokens continuing the sequence
@@ -406,6 +404,8 @@ class Generation:
         context = [*self.sequence, *draft.token_ids]
         rows = len(draft.token_ids) + 1
         sampling = self.sampling_proto
+        # Drawn before the step is sent: a resend after a cache miss or a failover decides with the same.
+        uniforms = None if self.request.sampling.greedy else draw_uniforms(len(draft.token_ids), self.generator)
         try:  # a step unanswered for --target-timeout-s raises TimeoutError (its link's timer)
             stepped = await self.target.step(
                 context,
@@ -427,19 +427,19 @@ class Generation:
         response = stepped.response
         target_seconds = response.timing.forward_seconds
         self.stats.target_seconds += target_seconds
-        if self.load is not None:
-            self.load.observe_target(response.timing, stepped.fed, stepped.seconds)
+        if self.times is not None:
+            self.times.target.observe(response.timing)
         if self.request.sampling.greedy:
             return Checked(verify_greedy(draft.token_ids, response.argmax_token_ids), target_seconds)
+        assert uniforms is not None
         draft_ids = torch.tensor(draft.token_ids, dtype=torch.long)  # [k]
         try:
             target_probs = decode_prob_rows(response.target_probs, self.limits.vocab_size)  # [k + 1, vocab]
         except WireFormatError as exc:
             raise ServiceError(grpc.StatusCode.INTERNAL, f"the target replica sent unusable rows: {exc}") from exc
         draft_probs = draft.probs if draft.probs is not None else torch.empty(0, self.limits.vocab_size)
-        return Checked(
-            verify_sampled(draft_ids, draft_probs, target_probs, self.generator), target_seconds, target_probs
-        )
+        verdict = await self.sampler.verdict(SampledRound(draft_ids, draft_probs, target_probs, uniforms))
+        return Checked(verdict, target_seconds, target_probs)
 
     def _commit(self, verdict: Verdict) -> list[int]:
         """Append the round's tokens (cut after an EOS); each service's next step keeps what it shares."""

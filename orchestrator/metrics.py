@@ -39,10 +39,3 @@ CHOSEN_K = Histogram(
 QUEUE_SECONDS = Histogram(
     "specdec:request_queue_seconds", "Time a request waited for a place before it started", buckets=_LATENCY_BUCKETS
 )
-GATE_SPECULATING = Gauge(
-    "specdec:speculation_gate_open",
-    "1 while the load-aware gate lets requests speculate at the current load, 0 while it holds them at K = 0",
-)
-GATE_EPOCHS = Counter(
-    "specdec:speculation_gate_epochs", "Epochs the load-aware gate began, by mode (speculating or k0)", ["mode"]
-)

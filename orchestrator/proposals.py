@@ -95,18 +95,21 @@ class Draft:
     forward_seconds: float = 0.0  # the draft service's forward time for this block
     proposer: str = MODEL  # MODEL (the draft service) or NGRAM (prompt lookup)
     fed: int = 0  # tokens the draft service was fed for this block (0: it cost no draft step)
+    forward_seconds_per_token: float = 0.0  # the draft step's forward seconds per token it drafted
 
     def first(self, k: int) -> Draft:
         """The first k tokens (a ready block may be longer than this round allows)."""
         if k >= len(self.token_ids):
             return self
         probs = self.probs[:k] if self.probs is not None else None
-        return Draft(self.token_ids[:k], probs, self.forward_seconds, self.proposer, self.fed)
+        return Draft(
+            self.token_ids[:k], probs, self.forward_seconds, self.proposer, self.fed, self.forward_seconds_per_token
+        )
 
     def rest(self) -> Draft:
         """All but the first token (which turned out to be the bonus token); costs nothing more."""
         probs = self.probs[1:] if self.probs is not None else None
-        return Draft(self.token_ids[1:], probs, 0.0, self.proposer)
+        return Draft(self.token_ids[1:], probs, 0.0, self.proposer, 0, self.forward_seconds_per_token)
 
 
 NO_DRAFT = Draft(token_ids=[], probs=None)

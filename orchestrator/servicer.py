@@ -17,7 +17,6 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from orchestrator import metrics
 from orchestrator.admission import Admission
 from orchestrator.config import OrchestratorConfig
-from orchestrator.costs import ServiceLoad
 from orchestrator.generation import (
     DraftAvailability,
     DraftStream,
@@ -26,10 +25,11 @@ from orchestrator.generation import (
     ModelLimits,
     TargetStream,
 )
-from orchestrator.k_policy import make_policy
+from orchestrator.goodput import StepTimes, make_policy
 from orchestrator.link import LinkMessages
 from orchestrator.outbox import Outbox
 from orchestrator.proposals import MODEL, NGRAM, Stats
+from orchestrator.sampler import BatchSampler
 from orchestrator.text import TextStream, byte_table
 from orchestrator.upstream import Dial, ReplicaPool, SessionStream
 from serving.errors import ServiceError, failed_precondition, invalid_argument
@@ -146,7 +146,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.byte_table = byte_table(tokenizer)  # byte-level BPE: text in constant time per token
         log.info("detokenizer", byte_table=self.byte_table is not None)
         self.availability = DraftAvailability(config.draft_retry_after_s)
-        self.load = ServiceLoad(target_info, draft.info if draft else None)
+        self.times = StepTimes(target_info, draft.info if draft else None)
+        self.sampler = BatchSampler()
         running = config.max_running_requests or target_info.max_sessions * max(1, len(target_pool.replicas))
         self.admission = Admission(running, config.max_queued_requests, config.max_queue_wait_s)
         self._draft_watch: asyncio.Task[None] | None = None
@@ -216,7 +217,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 log.error("draft_mismatch", error=str(exc), fallback="target alone")
                 return
             self.draft.info = info
-            self.load.set_draft(info)
+            self.times.set_draft(info)
             log.info("draft_available", model=info.model)
 
     async def close(self) -> None:
@@ -368,16 +369,17 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         initial_k = min(k, cfg.num_speculative_tokens or k) if policy == "load_aware" else k
         lookup_policy = None
         if method != MODEL and k > 0:
-            lookup_policy = make_policy(policy, initial_k, max_k, self.load, drafts_cost=False)
+            lookup_policy = make_policy(policy, initial_k, max_k, self.times, drafts_cost=False)
         return Generation(
             request,
             self._limits(),
             target,
             draft,
             self.availability,
-            make_policy(policy, initial_k, max_k, self.load),
-            self.load,
+            make_policy(policy, initial_k, max_k, self.times),
+            self.times,
             lookup_policy,
+            self.sampler,
         )
 
     async def Generate(
@@ -386,7 +388,6 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         generation_request, policy = await self.validate(request)
         text = TextStream(self.tokenizer, list(request.stop), self.byte_table)
         await self.admission.acquire()
-        self.load.running = self.admission.running
         generation = self._generation(generation_request, policy)
         metrics.REQUESTS_RUNNING.inc()
         structlog.contextvars.bind_contextvars(request_id=generation_request.request_id)
@@ -428,7 +429,6 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 await producer
             generation.close()
             self.admission.release()
-            self.load.running = self.admission.running
             metrics.REQUESTS_RUNNING.dec()
             structlog.contextvars.unbind_contextvars("request_id")
 

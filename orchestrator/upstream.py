@@ -236,7 +236,6 @@ class SessionStream(Generic[RequestT, ResponseT]):
             assert self._link is not None
             keep = reusable_prefix(self.held, context, min_append)
             request = build(keep)
-            started = time.perf_counter()
             try:
                 result = await self._link.step(self._session, request)
                 failure = result_failure(result)
@@ -262,7 +261,7 @@ class SessionStream(Generic[RequestT, ResponseT]):
                 continue
             fed = [*context, *(fed_beyond(response) if fed_beyond else ())]
             self.held = fed[: response.cached_tokens]
-            return Stepped(response, len(context) - keep, time.perf_counter() - started)
+            return Stepped(response, len(context) - keep)
         raise unavailable(
             f"{self.pool.name} service unavailable after {self.attempts} tries ({last_error}); "
             f"check that the {self.pool.name} replicas are running"
@@ -306,13 +305,10 @@ class SessionStream(Generic[RequestT, ResponseT]):
 
 @dataclass(frozen=True)
 class Stepped(Generic[ResponseT]):
-    """A step's answer, with what it cost: tokens fed, and the wall seconds of its answering attempt
-    alone (not the failed attempts, backoff or reopen before it, which say nothing of the service's
-    load: a request's lost session must not price every other request's rounds)."""
+    """A step's answer, and the tokens it fed."""
 
     response: ResponseT
     fed: int
-    seconds: float
 
 
 def _retryable(failure: LinkLost) -> bool:

@@ -8,10 +8,10 @@ import torch
 
 from orchestrator.ngram import NgramIndex
 from orchestrator.proposals import point_masses
-from orchestrator.rejection import verify_sampled
 from specdec.v1 import orchestrator_pb2
 from tests.conftest import collect, hf_greedy
 from tests.test_greedy_exactness import _explain
+from tests.test_rejection import verify_seeded
 
 NGRAM = orchestrator_pb2.DRAFT_METHOD_NGRAM
 HYBRID = orchestrator_pb2.DRAFT_METHOD_HYBRID
@@ -52,7 +52,7 @@ def test_a_point_mass_proposal_is_accepted_with_the_targets_probability():
     generator = torch.Generator().manual_seed(0)
     trials, accepted, recovered = 20_000, 0, torch.zeros(3)
     for _ in range(trials):
-        verdict = verify_sampled(torch.tensor([1]), draft_probs, target_probs, generator)
+        verdict = verify_seeded(torch.tensor([1]), draft_probs, target_probs, generator)
         accepted += verdict.num_accepted
         if not verdict.num_accepted:
             recovered[verdict.output_token_ids[0]] += 1
@@ -87,9 +87,8 @@ def test_lookup_modes_are_exact_and_really_propose(orchestrators, target_model, 
     if method == NGRAM:
         assert model_drafted == 0
     else:
-        # Hybrid measures both ways on lookup misses (costs.HybridChoice): the first request asks the
-        # draft model where the lookup finds nothing, the second runs those rounds on the target alone.
-        assert model_per_request[0] > 0 and model_per_request[1] == 0, model_per_request
+        # Where the lookup finds nothing, hybrid asks the draft model (at the K its policy chooses).
+        assert model_drafted > 0, model_per_request
 
 
 def test_ngram_needs_no_draft_service_but_model_does(orchestrators):

@@ -6,7 +6,22 @@ import pytest
 import torch
 from scipy import stats
 
-from orchestrator.rejection import residual_distribution, verify_greedy, verify_sampled
+from orchestrator.rejection import (
+    SampledRound,
+    Verdict,
+    draw_uniforms,
+    residual_distribution,
+    verify_greedy,
+    verify_sampled,
+    verify_sampled_batch,
+)
+
+
+def verify_seeded(
+    ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator
+) -> Verdict:
+    """`verify_sampled` on a round whose uniforms come from `generator`, as a request draws them."""
+    return verify_sampled(SampledRound(ids, draft_probs, target_probs, draw_uniforms(ids.numel(), generator)))
 
 
 @pytest.mark.parametrize(
@@ -38,7 +53,7 @@ def test_sampled_identical_distributions_always_accept():
     target = torch.cat([probs, _rows([0.0, 0.0, 1.0])])
     generator = torch.Generator().manual_seed(0)
     for _ in range(200):
-        verdict = verify_sampled(torch.tensor([1, 0]), probs, target, generator)
+        verdict = verify_seeded(torch.tensor([1, 0]), probs, target, generator)
         assert verdict.num_accepted == 2
         assert verdict.output_token_ids == [1, 0, 2]  # bonus from the one-hot last row
 
@@ -48,7 +63,7 @@ def test_sampled_rejects_tokens_the_target_never_produces():
     target = _rows([0.0, 0.2, 0.8], [1.0, 0.0, 0.0])
     generator = torch.Generator().manual_seed(0)
     for _ in range(200):
-        verdict = verify_sampled(torch.tensor([0]), draft_probs, target, generator)
+        verdict = verify_seeded(torch.tensor([0]), draft_probs, target, generator)
         assert verdict.num_accepted == 0
         # residual = norm(max(0, p - q)) = [0, 0, 0.8] / 0.8: only token 2
         assert verdict.output_token_ids == [2]
@@ -58,7 +73,7 @@ def test_zero_residual_falls_back_to_target_row():
     row = _rows([0.25, 0.25, 0.5])[0]
     assert torch.equal(residual_distribution(row, row), row)
     nonzero = residual_distribution(_rows([0.5, 0.5, 0.0])[0], _rows([0.0, 1.0, 0.0])[0])
-    assert torch.allclose(nonzero, torch.tensor([1.0, 0.0, 0.0]))
+    assert torch.equal(nonzero, torch.tensor([0.5, 0.0, 0.0]))  # unnormalised: sampling scales by the total
 
 
 def test_same_generator_seed_same_verdicts():
@@ -69,7 +84,7 @@ def test_same_generator_seed_same_verdicts():
 
     def run(seed: int) -> list[list[int]]:
         generator = torch.Generator().manual_seed(seed)
-        return [verify_sampled(draft, draft_probs, target, generator).output_token_ids for _ in range(50)]
+        return [verify_seeded(draft, draft_probs, target, generator).output_token_ids for _ in range(50)]
 
     assert run(7) == run(7)
     assert run(7) != run(8)
@@ -87,7 +102,7 @@ def test_one_step_output_follows_target_distribution():
     draft_tokens = torch.multinomial(draft_row, samples, replacement=True, generator=generator)
     counts = torch.zeros(vocab)
     for token in draft_tokens.tolist():
-        verdict = verify_sampled(torch.tensor([token]), draft_row[None], target, generator)
+        verdict = verify_seeded(torch.tensor([token]), draft_row[None], target, generator)
         counts[verdict.output_token_ids[0]] += 1
     result = stats.chisquare(counts.numpy(), (target_row * samples).numpy())
     assert result.pvalue > 0.01, (counts / samples, target_row)
@@ -102,3 +117,83 @@ def test_acceptance_probability_is_min_one_p_over_q():
     assert acceptance_probability(1, draft_row, target_row) == 1.0
     assert acceptance_probability(2, draft_row, target_row) == 1.0
     assert acceptance_probability(3, draft_row, target_row) == 0.0  # never sampled from q
+
+
+def _random_round(generator: torch.Generator, k: int, vocab: int, kind: str) -> SampledRound:
+    """A round of k draft tokens: peaked or flat rows, p equal to q (a residual of zeros), or rows with
+    zeros, the draft tokens sampled from q."""
+    scale = {"peaked": 6.0, "flat": 0.3, "equal": 2.0, "sparse": 3.0}[kind]
+    draft = torch.softmax(torch.randn(k, vocab, generator=generator) * scale, -1)
+    target = torch.softmax(torch.randn(k + 1, vocab, generator=generator) * scale, -1)
+    if kind == "equal":
+        target[:k] = draft
+    if kind == "sparse":
+        target[:, : vocab // 2] = 0.0
+        target /= target.sum(-1, keepdim=True)
+    ids = torch.multinomial(draft, 1, generator=generator)[:, 0] if k else torch.empty(0, dtype=torch.long)
+    return SampledRound(ids, draft, target, draw_uniforms(k, generator))
+
+
+def test_the_batched_sampler_gives_every_round_the_verdict_it_gets_alone():
+    """The definition is the per-round function: over batches of mixed k (0 included) and kinds of rows,
+    every round's verdict from the batched path equals `verify_sampled`'s on that round."""
+    generator = torch.Generator().manual_seed(5)
+    kinds = ["peaked", "flat", "equal", "sparse"]
+    rejections = 0
+    for batch in range(40):
+        rounds = [
+            _random_round(generator, int(torch.randint(0, 7, (1,), generator=generator)), 37, kinds[(batch + i) % 4])
+            for i in range(1 + batch % 9)
+        ]
+        batched = verify_sampled_batch(rounds)
+        alone = [verify_sampled(round_) for round_ in rounds]
+        assert batched == alone
+        rejections += sum(not verdict.all_accepted for verdict in alone)
+    assert rejections > 20  # the residual rows were exercised, not only bonus rows
+    assert verify_sampled_batch([]) == []
+
+
+def test_inverse_cdf_sampling_never_picks_a_zero_and_follows_the_row():
+    from orchestrator.rejection import sample_index
+
+    row = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0])
+    uniforms = torch.rand(60_000, 1, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    picks = sample_index(row.expand(60_000, -1), uniforms)
+    counts = torch.bincount(picks, minlength=6)
+    assert counts[[0, 2, 5]].sum() == 0
+    assert stats.chisquare(counts[[1, 3, 4]].numpy(), (row[[1, 3, 4]] * 60_000).numpy()).pvalue > 0.01
+    assert int(sample_index(row, torch.tensor([0.0], dtype=torch.float64))) == 1
+    assert int(sample_index(row, torch.tensor([1 - 2**-53], dtype=torch.float64))) == 4
+
+
+def test_rounds_ready_in_one_turn_are_decided_together_and_a_bad_one_fails_alone(monkeypatch):
+    """The requests a link's answer wakes hand their rounds in over one turn of the event loop; the
+    batch sampler decides them in one call. A round the batched call cannot take is decided alone, and
+    only its request sees the error."""
+    import asyncio
+
+    from orchestrator import sampler as sampler_module
+    from orchestrator.sampler import BatchSampler
+
+    calls: list[int] = []
+    real = sampler_module.verify_sampled_batch
+
+    def counted(rounds: list[SampledRound]) -> list[Verdict]:
+        calls.append(len(rounds))
+        return real(rounds)
+
+    monkeypatch.setattr(sampler_module, "verify_sampled_batch", counted)
+    generator = torch.Generator().manual_seed(9)
+    good = [_random_round(generator, k, 11, "peaked") for k in (0, 2, 4)]
+    bad = SampledRound(torch.tensor([3]), torch.ones(1, 5) / 5, torch.ones(2, 11) / 11, draw_uniforms(1, generator))
+
+    async def run() -> list[object]:
+        batch = BatchSampler()
+        together = await asyncio.gather(*(batch.verdict(round_) for round_ in good))
+        mixed = await asyncio.gather(*(batch.verdict(round_) for round_ in [*good, bad]), return_exceptions=True)
+        return [together, mixed]
+
+    together, mixed = asyncio.run(run())
+    assert calls == [3, 4]  # one call per turn's rounds
+    assert together == [verify_sampled(round_) for round_ in good]
+    assert mixed[:3] == together and isinstance(mixed[3], Exception)  # type: ignore[index]

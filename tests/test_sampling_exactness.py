@@ -102,7 +102,7 @@ class TableTarget:
                 result=common_pb2.SESSION_RESULT_OK, target_probs=encode_prob_rows(probs)
             )
             self.logits.verify_responses[key] = response
-        return Stepped(self.logits.verify_responses[key], self.last_fed, 0.0)
+        return Stepped(self.logits.verify_responses[key], self.last_fed)
 
     def close(self) -> None:
         pass
@@ -129,7 +129,7 @@ class TableDraft(TableTarget):
         self.seen = sequence[:-1]
         response = draft_pb2.DraftResponse(result=common_pb2.SESSION_RESULT_OK, draft_token_ids=tokens)
         response.draft_probs.CopyFrom(encode_prob_rows(torch.stack(rows)))
-        return Stepped(response, self.last_fed, 0.0)
+        return Stepped(response, self.last_fed)
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +288,9 @@ class WallTimes(FixedKBesidePrefill):
         super().__init__(k, k)
         self.walls: list[float] = []
 
-    def observe_wall(self, k: int, seconds: float, draft_fed: int = 0) -> None:
+    def observe_wall(
+        self, k: int, seconds: float, draft_wait: float = 0.0, draft_fed: int = 0, draft_per_token: float = 0.0
+    ) -> None:
         self.walls.append(seconds)
 
 

@@ -26,19 +26,19 @@ class _Call:
         self.error = error
         self.cancelled = False
         self.cancelled_before_close = False
-        self._sessions: asyncio.Queue[int] = asyncio.Queue()
+        self._sessions: asyncio.Queue[tuple[int, int]] = asyncio.Queue()  # (session, tokens it holds)
 
     async def write(self, batch: target_pb2.VerifyBatch) -> None:
         for step in batch.steps:
             if not step.close:
-                self._sessions.put_nowait(step.session)
+                self._sessions.put_nowait((step.session, step.step.keep + len(step.step.append_token_ids)))
 
     def __aiter__(self) -> AsyncIterator[target_pb2.VerifyResults]:
         return self._answers()
 
     async def _answers(self) -> AsyncIterator[target_pb2.VerifyResults]:
         while True:
-            session = await self._sessions.get()
+            session, held = await self._sessions.get()
             if self.error == "hang":
                 continue  # a hung replica: the step is never answered
             if isinstance(self.error, grpc.aio.AioRpcError):
@@ -48,6 +48,7 @@ class _Call:
                 result.error.CopyFrom(self.error)
             else:
                 result.response.result = common_pb2.SESSION_RESULT_OK
+                result.response.cached_tokens = held
             yield target_pb2.VerifyResults(results=[result])
 
     def cancel(self) -> None:
@@ -62,16 +63,16 @@ def _step_error(code: grpc.StatusCode, details: str) -> common_pb2.StepError:
     return common_pb2.StepError(code=code.value[0], message=details)
 
 
-def _step(errors: list, backoff_s: float = 0.0) -> tuple[Stream, list[_Call], float]:
+def _step(errors: list, backoff_s: float = 0.0) -> tuple[Stream, list[_Call], int]:
     """Run one step over two replicas; replica i's link answers with errors[i]. Also returns the
-    step's own seconds."""
+    tokens the answered step fed."""
     opened: list[_Call] = []
 
     def open_link() -> _Call:
         opened.append(_Call(errors[len(opened)]))
         return opened[-1]
 
-    async def run() -> tuple[Stream, float]:
+    async def run() -> tuple[Stream, int]:
         pool = ReplicaPool(
             "target", "127.0.0.1:1,127.0.0.1:2", lambda channel: open_link, LINK, resolve_interval_s=60.0
         )
@@ -83,10 +84,10 @@ def _step(errors: list, backoff_s: float = 0.0) -> tuple[Stream, list[_Call], fl
                 call.cancelled_before_close = call.cancelled
         finally:
             await pool.close()
-        return stream, stepped.seconds
+        return stream, stepped.fed
 
-    stream, seconds = asyncio.run(run())
-    return stream, opened, seconds
+    stream, fed = asyncio.run(run())
+    return stream, opened, fed
 
 
 LOST = [
@@ -135,12 +136,31 @@ def test_a_step_a_replica_never_answers_times_out():
     assert 0.3 <= asyncio.run(run()) < 1.5
 
 
-def test_a_steps_time_is_its_answering_attempt_alone():
-    """The step time the load-aware price learns from (shared by every request) leaves out a lost
-    link's failed attempt and the backoff before the retry: one request's bad luck is no load."""
-    _, opened, seconds = _step([_error(grpc.StatusCode.UNAVAILABLE, "Socket closed"), None], backoff_s=0.2)
-    assert len(opened) == 2
-    assert 0 < seconds < 0.05  # the backoff slept at least 0.1 s
+def test_a_retried_step_counts_the_whole_context_as_fed():
+    """A step answered after a lost link fed the whole context to the new replica, and says so: the
+    load-aware policy's shared draft price leaves out steps that fed more than a round commits, so one
+    request's failed attempt and backoff price nobody else's rounds."""
+    calls = [_Call(None), _Call(None)]
+
+    async def run() -> list[int]:
+        opened = iter(calls)
+        pool = ReplicaPool("target", "127.0.0.1:1,127.0.0.1:2", lambda channel: lambda: next(opened), LINK, 60.0)
+        await pool.start()
+        stream: Stream = SessionStream(pool, request_id="r1", attempts=2, backoff_s=0.01)
+
+        async def step(context: list[int]) -> int:
+            build = lambda keep: target_pb2.VerifyRequest(keep=keep, append_token_ids=context[keep:])  # noqa: E731
+            return (await stream.step(context, build)).fed
+
+        try:
+            fed = [await step([1, 2, 3]), await step([1, 2, 3, 4])]
+            calls[0].error = _error(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+            fed.append(await step([1, 2, 3, 4, 5]))
+        finally:
+            await pool.close()
+        return fed
+
+    assert asyncio.run(run()) == [3, 1, 5]
 
 
 @pytest.mark.parametrize(

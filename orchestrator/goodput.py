@@ -1,0 +1,223 @@
+"""K from the measured goodput: the load_aware policy.
+
+Every round is timed, and a request's K maximises what its own rows earn, less what they cost the
+sessions sharing its forwards (the marginal goodput of TurboSpec and SmartSpec):
+
+    J(K) = E(a, K) / R(K) - X K
+
+- E(a, K) = (1 - a^(K+1)) / (1 - a): the tokens a round commits, at the request's own running
+  acceptance estimate a.
+- R(K) = S + w + (beta + d) K (w only for K > 0): the request's round time at K. S is what its
+  rounds take beyond its own extra rows and its wait for the draft (measured per request: queueing, the network, the
+  orchestrator, everyone else's rows); beta is what one more row adds to a target forward (the
+  service's start-up curve, scaled by live forwards against it); d is what the
+  draft's forwards take per drafted token (hidden beside a verify or not, they take the cores or the
+  device the draft shares); w is what the request's speculating rounds wait for the draft beyond its
+  forwards (the RPC and queue on its path, measured per request).
+- X = (N beta + N_d beta_d) r / R: each of the N other sessions that wait on a target forward (those
+  in it and those queued behind it, measured) waits beta per extra row, each of the N_d that wait on
+  a draft forward beta_d per drafted token, and each loses tokens at about this request's rate r per
+  second of its round R.
+
+Alone this is the K that maximises E / R. Under load on hardware where rows cost (a CPU, a GPU past
+its flat region) the X term brings K down, to 0 (the target alone) where drafting does not pay;
+where a forward costs the same for 1 row as for 64, X is near 0 and speculation stays. Other requests
+enter only through the measured step times. At K = 0 a round learns nothing of the acceptance, so
+every PROBE_EVERY rounds the draft proposes one token beside the target's step (a lookup proposes one
+in the round, where it costs nothing to propose): K comes back when the draft agrees again.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from orchestrator.k_policy import CostModelK, FixedK, HeuristicK, KPolicy, expected_tokens
+from orchestrator.rejection import Verdict
+from specdec.v1 import common_pb2
+
+# The weight of the past in every running estimate: about ten steps of memory (README, "Choosing K").
+DECAY = 0.9
+# The acceptance estimate of a request before its first verdict, worth one draft token: the first
+# verdicts (the guess drafted beside the prefill, the first block) outweigh it at once.
+PRIOR_ACCEPTANCE = 0.8
+# Rounds at K = 0 before the first probe of the draft's agreement; each probe after which the request
+# stays at K = 0 doubles the wait for the next (a draft that does not agree costs ever less to watch).
+PROBE_EVERY = 8
+# A request moves to another K only for a predicted gain of this much (to K = 0 for any gain): J's
+# inputs follow every round's timing, and a batch whose requests each run a different K each round
+# runs slower than one at a common K (mixed widths cost the engine more forwards, and every return
+# from K = 0 a catch-up).
+SWITCH_GAIN = 1.25
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else DECAY * old + (1 - DECAY) * new
+
+
+class Forwards:
+    """One service's forward: the least-squares line of its start-up curve (seconds by tokens fed),
+    scaled by live forwards against what that line predicts for them, and how many sessions wait on
+    each forward."""
+
+    def __init__(self, info: common_pb2.ModelInfo | None) -> None:
+        points = [(p.batch_tokens, p.seconds) for p in info.forward_costs if p.seconds > 0] if info else []
+        self.intercept, self.slope = (points[0][1] if points else 0.0), 0.0
+        if len({tokens for tokens, _ in points}) >= 2:
+            slope, intercept = statistics.linear_regression(*zip(*points, strict=True))
+            self.slope, self.intercept = max(slope, 0.0), max(intercept, 0.0)
+        self.stretch = 1.0
+        self.batch = 1.0  # sessions in a forward
+        self._forward: float | None = None  # seconds of one forward
+        self._queue = 0.0  # seconds a step waits before its first forward
+
+    @property
+    def row_seconds(self) -> float:
+        """What one more row adds to a forward now."""
+        return self.slope * self.stretch
+
+    @property
+    def others(self) -> float:
+        """Sessions besides one's own that a longer forward delays: the B - 1 others in it, and those
+        queued behind it, B W / F by Little's law (steps arrive at B / F a second where the service is
+        busy, and wait W). At 64 streams over forwards of 32 rows, half the sessions are queued."""
+        queued = self.batch * self._queue / self._forward if self._forward else 0.0
+        return max(self.batch - 1.0, 0.0) + queued
+
+    def observe(self, timing: common_pb2.Timing, forwards: int = 1) -> None:
+        """A step's timing: `forwards` forwards (a draft step runs one per drafted token), the largest
+        of `timing.batch_size` sessions and `timing.batch_tokens` tokens."""
+        predicted = self.intercept + self.slope * timing.batch_tokens
+        if timing.batch_size == 0 or timing.forward_seconds <= 0 or predicted <= 0 or forwards < 1:
+            return
+        self.stretch = _ewma(self.stretch, timing.forward_seconds / forwards / predicted)
+        self.batch = _ewma(self.batch, timing.batch_size)
+        self._forward = _ewma(self._forward, timing.forward_seconds / forwards)
+        self._queue = _ewma(self._queue, max(timing.queue_seconds, 0.0))
+
+
+class StepTimes:
+    """What steps cost at the current load, from every request's timings: shared by the requests of
+    one orchestrator (it describes the services, never a request)."""
+
+    def __init__(self, target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo | None) -> None:
+        self.target = Forwards(target)
+        self.draft = Forwards(draft)
+        self.draft_per_token: float | None = None  # a draft step's forward seconds per drafted token
+        self.set_draft(draft)
+
+    def set_draft(self, draft: common_pb2.ModelInfo | None) -> None:
+        """Before a round has waited for it, a drafted token costs the draft's smallest forward."""
+        self.draft = Forwards(draft)
+        if draft is not None and draft.forward_costs and self.draft_per_token is None:
+            self.draft_per_token = min(p.seconds for p in draft.forward_costs)
+
+    def observe_draft_step(self, seconds_per_token: float) -> None:
+        self.draft_per_token = _ewma(self.draft_per_token, seconds_per_token)
+
+
+class GoodputK(KPolicy):
+    """One request's K in [0, max_k] by J(K); `drafts_cost` is False for prompt-lookup blocks, which
+    cost no draft step."""
+
+    drafts_beside_prefill = True  # the draft prefills beside the target's prefill: the first token waits for neither
+
+    def __init__(self, initial_k: int, max_k: int, times: StepTimes, drafts_cost: bool = True) -> None:
+        super().__init__(initial_k, max_k)
+        self.times = times
+        self.drafts_cost = drafts_cost
+        self._accepted, self._trials = PRIOR_ACCEPTANCE, 1.0
+        self._base: float | None = None  # S: a round's seconds beyond its own rows and draft wait
+        self._latency = 0.0  # w: what a speculating round waits for the draft beyond its forwards
+        self._k = min(initial_k, max_k)  # the last choice
+        self._rounds_without_draft = 0
+        self._probe_wait = PROBE_EVERY  # rounds at K = 0 before the next probe
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self._accepted / self._trials
+
+    def goodputs(self) -> list[float]:
+        """J(K) for K = 0 .. max_k (empty before a round measured S)."""
+        if self._base is None:
+            return []
+        times = self.times
+        beta = times.target.row_seconds
+        draft = (times.draft_per_token or 0.0) if self.drafts_cost else 0.0
+        # What one more row of this request costs the others per second of their rounds: a row in a
+        # target forward shared with B - 1 sessions, and (drafting) a row in a draft forward.
+        crowd = times.target.others * beta
+        if self.drafts_cost:
+            crowd += times.draft.others * times.draft.row_seconds
+        rate = min(self.acceptance_rate, 0.99)
+
+        def round_seconds(k: int) -> float:
+            return max(self._base or 0.0, 1e-6) + (self._latency if k else 0.0) + (beta + draft) * k
+
+        now = round_seconds(self._k)
+        others = crowd * expected_tokens(rate, self._k) / now / now
+        return [expected_tokens(rate, k) / round_seconds(k) - others * k for k in range(self.max_k + 1)]
+
+    def next_k(self) -> int:
+        if not self.drafts_cost and self._k == 0 and self._rounds_without_draft >= self._probe_wait:
+            self._probe_wait *= 2
+            return 1  # a lookup's probe: proposing costs nothing, verifying one more row little
+        goodputs = self.goodputs()
+        if goodputs:
+            best, now = max(range(len(goodputs)), key=goodputs.__getitem__), goodputs[self._k]
+            # To K = 0 without the gain: a draft that does not agree must not hold speculation on
+            # where its cost is a small part of the round (with in-process tiny models: always).
+            gain = 1.0 if best == 0 else SWITCH_GAIN
+            if goodputs[best] > now + (gain - 1) * max(now, 0.0):
+                self._k = best
+        if self._k > 0:
+            self._probe_wait = PROBE_EVERY
+        return self._k
+
+    def probe_due(self) -> bool:
+        """A draft model's probe: one token drafted beside a K = 0 round's step, scored against it."""
+        return self.drafts_cost and self.max_k > 0 and self._rounds_without_draft >= self._probe_wait
+
+    def observe_probe(self, acceptance: float | None) -> None:
+        self._rounds_without_draft = 1  # the probe's round counts; a draft that did not answer is asked again
+        self._probe_wait *= 2  # unless K leaves 0 before it
+        if acceptance is not None:
+            self._learn(acceptance, 1)
+
+    def observe(self, verdict: Verdict, draft_seconds: float = 0.0, target_seconds: float = 0.0) -> None:
+        if verdict.num_drafted == 0:
+            self._rounds_without_draft += 1
+            return
+        self._rounds_without_draft = 0
+        self._probe_wait = PROBE_EVERY  # rounds at K = 0 before the next probe
+        self._learn(verdict.num_accepted, verdict.num_accepted + (0 if verdict.all_accepted else 1))
+
+    def observe_wall(
+        self, k: int, seconds: float, draft_wait: float = 0.0, draft_fed: int = 0, draft_per_token: float = 0.0
+    ) -> None:
+        """A round at K = k took `seconds`, `draft_wait` of them waiting for the draft; its block came
+        from a draft step that fed `draft_fed` tokens and ran `draft_per_token` seconds of forwards per
+        drafted token. The forwards price drafting, not the wait: a step hidden beside a verify still
+        takes the cores or the device the draft shares (measured on 2 cores, pinned: pricing the wait
+        chose K of 3 to 4 at one stream, 0.9x fixed K = 2), and a step's wall time holds its queueing
+        behind other sessions' drafts (30-40 ms a token at 32 streams, where a forward took a few). A
+        step that fed more than a round commits was catching the draft up after rounds without it (or
+        after lookup rounds, or on a reopened session): its time is this request's own, no price."""
+        self._base = _ewma(self._base, max(seconds - draft_wait - self.times.target.row_seconds * k, 0.0))
+        if self.drafts_cost and k > 0 and draft_per_token > 0 and draft_fed <= self.max_k + 1:
+            self.times.observe_draft_step(draft_per_token)
+            # The request's own wait for a draft step beyond its forwards: the draft's RPC and queue on
+            # this request's path, which K = 0 rounds do not pay.
+            self._latency = _ewma(self._latency, max(draft_wait - draft_per_token * k, 0.0))
+
+    def _learn(self, accepted: float, trials: int) -> None:
+        self._accepted = DECAY * self._accepted + accepted
+        self._trials = DECAY * self._trials + trials
+
+
+def make_policy(name: str, initial_k: int, max_k: int, times: StepTimes, drafts_cost: bool = True) -> KPolicy:
+    """The policy called `name` (one of serving.protocol.POLICIES); `drafts_cost` is False for the
+    prompt lookup's blocks, which cost nothing to propose."""
+    if name == "load_aware":
+        return GoodputK(initial_k, max_k, times, drafts_cost)
+    policies: dict[str, type[KPolicy]] = {"fixed": FixedK, "heuristic": HeuristicK, "cost_model": CostModelK}
+    return policies[name](initial_k, max_k)
