@@ -101,9 +101,8 @@ class StepTimes:
 
     def __init__(self, target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo | None) -> None:
         self.target = Forwards(target)
-        self.draft = Forwards(draft)
         self.draft_per_token: float | None = None  # a draft step's forward seconds per drafted token
-        self.set_draft(draft)
+        self.set_draft(draft)  # sets self.draft
 
     def set_draft(self, draft: common_pb2.ModelInfo | None) -> None:
         """Before a round has waited for it, a drafted token costs the draft's smallest forward."""
