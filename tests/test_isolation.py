@@ -82,7 +82,7 @@ def test_an_explicit_k_bounds_every_load_aware_round(target_server, close_draft_
     """Under load_aware a request's num_speculative_tokens is an upper bound on every round's K. The
     policy once ranged up to the server's cap (16) whatever the request asked, blocks drafted ahead
     during verification included."""
-    orchestrator = OrchestratorThread(orchestrator_config(target_server, close_draft_server))  # its own gate
+    orchestrator = OrchestratorThread(orchestrator_config(target_server, close_draft_server))  # its own step times
     try:
         unbounded: list[orchestrator_pb2.GenerationStats] = []
         bounded: list[orchestrator_pb2.GenerationStats] = []
