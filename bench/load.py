@@ -66,6 +66,7 @@ class LoadSample:
     accepted_tokens: int = 0
     probe_rounds: int = 0  # K = 0 rounds that asked the draft for one token beside the target's step
     rounds: int = 0  # target session steps, over all requests
+    wire_bytes: int = 0  # messages exchanged with the model services, over all requests
     other_ms_per_round: list[float] = field(default_factory=list)  # per request: wall outside the forwards
     cpu_seconds: dict[str, float] = field(default_factory=dict)  # by process, over the run
     forward_seconds: dict[str, float] = field(default_factory=dict)  # by service: its engine's forwards
@@ -97,6 +98,7 @@ async def _client(
                 sample.probe_rounds += message.stats.probe_rounds
                 stats = message.stats
                 sample.rounds += stats.rounds
+                sample.wire_bytes += stats.wire_bytes
                 if stats.rounds:
                     outside = stats.total_seconds - stats.target_seconds - stats.draft_seconds
                     sample.other_ms_per_round.append(1000 * max(0.0, outside) / stats.rounds)
@@ -105,16 +107,25 @@ async def _client(
 
 
 async def run_services(
-    address: str, config: LoadConfig, prompts: list[list[int]], concurrency: int, rep: int, max_new_tokens: int
+    address: str,
+    config: LoadConfig,
+    prompts: list[list[int]],
+    concurrency: int,
+    rep: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
 ) -> LoadSample:
-    """C clients, each with its share of the requests, back to back."""
+    """C clients, each with its share of the requests, back to back (sampled, seeded by request, at a
+    temperature above 0)."""
     sample = LoadSample(config.name, concurrency, rep, 0, 0.0)
     requests = []
-    for prompt in prompts:
+    for index, prompt in enumerate(prompts):
         request = orchestrator_pb2.GenerateRequest(
             token_ids=orchestrator_pb2.TokenIds(ids=prompt),
             max_new_tokens=max_new_tokens,
             speculation_policy=POLICY_BY_NAME[config.policy],
+            temperature=temperature,
+            seed=1000 * rep + index,
         )
         if config.k is not None:
             request.num_speculative_tokens = config.k

@@ -1,10 +1,16 @@
 """DraftService: crop to `keep`, feed the new tokens, draft up to K tokens autoregressively (one per
-engine iteration, batched with every other drafting session)."""
+engine iteration, batched with every other drafting session).
+
+A sampling step answers each draft token's q(x) only; the rows the tokens were sampled from stay here,
+the last two steps' of each session (the step verified and the one drafted beside it), until the
+orchestrator fetches the one a rejection needs (`RowFetch`, answered at once on the event loop)."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import structlog
@@ -15,15 +21,17 @@ from model_host.config import ModelServiceConfig
 from model_host.engine import Job
 from model_host.forward import Forward
 from model_host.loading import LoadedModel
-from model_host.logits import logits_to_probs
 from model_host.session_servicer import SessionServicer
+from model_host.sessions import Session
 from serving.errors import invalid_argument
+from serving.logits import logits_to_probs, rows_to_wire
 from serving.sampling import SamplingParams, seeded_generator
-from serving.tensors import encode_prob_rows
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = "specdec.v1.DraftService"
 log = structlog.get_logger(__name__)
+# A fetch asks for a row of the step just verified, while the step drafted beside it may have ended.
+_STEPS_HELD = 2
 
 
 def choose_token(
@@ -46,21 +54,27 @@ def choose_token(
 @dataclass(eq=False)
 class DraftJob(Job):
     """Feed the new tokens, then draft: each engine iteration samples one token and feeds it back,
-    until K tokens (the last is never fed) or the draft's confidence falls below min_confidence."""
+    until K tokens (the last is never fed) or the draft's confidence falls below min_confidence. K = 0
+    keeps the next token's logits and drafts nothing."""
 
     params: SamplingParams = field(default_factory=SamplingParams)
     num_speculative_tokens: int = 1
     min_confidence: float = 0.0
     generator: torch.Generator | None = None
     token_ids: list[int] = field(default_factory=list)  # [k] drafted so far
-    rows: list[torch.Tensor] = field(default_factory=list)  # k rows of [vocab]; sampling only
+    token_probs: list[float] = field(default_factory=list)  # [k] q(x); sampling only
+    rows: list[torch.Tensor] = field(default_factory=list)  # k logit rows of [vocab]; sampling only
 
     def advance(self, logits: torch.Tensor) -> list[int] | None:
         assert self.generator is not None
+        if not self.params.greedy:
+            self.rows.append(logits[-1].clone())  # a view would keep the whole batch's logits alive
+        if self.num_speculative_tokens == 0:
+            return None
         token, probs, confidence = choose_token(logits[-1], self.params, self.generator, self.min_confidence > 0)
         self.token_ids.append(token)
         if probs is not None:
-            self.rows.append(probs)
+            self.token_probs.append(float(probs[token]))
         if len(self.token_ids) == self.num_speculative_tokens or confidence < self.min_confidence:
             return None
         return [token]
@@ -76,6 +90,8 @@ class DraftServicer(
 
     def __init__(self, loaded: LoadedModel, config: ModelServiceConfig) -> None:
         self.lean: LeanDraft | None = None
+        # session id -> (its steps so far, its last steps' (step number, params, [k, vocab] logit rows))
+        self._rows: dict[str, tuple[int, deque[tuple[int, SamplingParams, torch.Tensor]]]] = {}
         super().__init__(loaded, config)
 
     def make_forward(self) -> Forward:
@@ -97,10 +113,12 @@ class DraftServicer(
         if not request.append_token_ids:
             raise invalid_argument("append_token_ids must hold at least one token (drafting continues from the last)")
         cap = self.config.max_speculative_tokens
-        if not 1 <= request.num_speculative_tokens <= cap:
+        if not 0 <= request.num_speculative_tokens <= cap:
             raise invalid_argument(
-                f"num_speculative_tokens must be in [1, {cap}]; got {request.num_speculative_tokens}"
+                f"num_speculative_tokens must be in [0, {cap}]; got {request.num_speculative_tokens}"
             )
+        if request.num_speculative_tokens == 0 and SamplingParams.from_proto(request.sampling).greedy:
+            raise invalid_argument("num_speculative_tokens = 0 returns a row, which greedy steps have none of")
         if not 0.0 <= request.min_confidence <= 1.0:
             raise invalid_argument(f"min_confidence must be in [0, 1]; got {request.min_confidence}")
         SamplingParams.from_proto(request.sampling)
@@ -117,14 +135,41 @@ class DraftServicer(
             generator=seeded_generator(request.seed, self.loaded.input_device),
         )
 
-    def respond(self, job: Job, request: draft_pb2.DraftRequest) -> draft_pb2.DraftResponse:
+    def respond(self, job: Job, request: draft_pb2.DraftRequest, session: Session) -> draft_pb2.DraftResponse:
         assert isinstance(job, DraftJob)
         response = draft_pb2.DraftResponse(
-            result=common_pb2.SESSION_RESULT_OK, draft_token_ids=job.token_ids, cached_tokens=job.start
+            result=common_pb2.SESSION_RESULT_OK,
+            draft_token_ids=job.token_ids,
+            draft_token_probs=job.token_probs,
+            cached_tokens=job.start,
         )
-        if job.rows:
-            response.draft_probs.CopyFrom(encode_prob_rows(torch.stack(job.rows)))
+        if not job.rows:
+            return response
+        rows = torch.stack(job.rows)  # [k, vocab]
+        if job.num_speculative_tokens == 0:
+            response.row.CopyFrom(rows_to_wire(rows, job.params))
+            return response
+        steps, held = self._rows.get(session.session_id) or (0, deque(maxlen=_STEPS_HELD))
+        held.append((steps + 1, job.params, rows))
+        self._rows[session.session_id] = (steps + 1, held)
+        response.step_number = steps + 1
         return response
+
+    def answer_at_once(self, session: Session | None, entry: Any) -> Any | None:
+        if not entry.HasField("fetch"):
+            return None
+        result = draft_pb2.DraftResult(session=entry.session)
+        result.fetched.held = False
+        _, held = self._rows.get(session.session_id, (0, ())) if session is not None else (0, ())
+        for step_number, params, rows in held:
+            if step_number == entry.fetch.step_number and entry.fetch.index < rows.shape[0]:
+                result.fetched.held = True
+                index = entry.fetch.index
+                result.fetched.row.CopyFrom(rows_to_wire(rows[index : index + 1], params))
+        return result
+
+    def forget(self, session: Session) -> None:
+        self._rows.pop(session.session_id, None)
 
 
 def register(servicer: DraftServicer, server: grpc.aio.Server) -> None:

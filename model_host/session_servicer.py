@@ -170,8 +170,16 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         """Work over every job one wake answers, done once for all of them (the target's argmax)."""
 
     @abc.abstractmethod
-    def respond(self, job: Job, request: RequestT) -> ResponseT:
+    def respond(self, job: Job, request: RequestT, session: Session) -> ResponseT:
         """The response to a finished job (`job.start` is the session's new cached length)."""
+
+    def answer_at_once(self, session: Session | None, entry: Any) -> Any | None:
+        """The result of a link entry answered without the engine (the draft's row fetch), or None for a
+        step or a close."""
+        return None
+
+    def forget(self, session: Session) -> None:
+        """Drop what the subclass keeps for a session that closed."""
 
     def make_forward(self) -> Forward:
         """The batched forward pass of this service's model (or its serial fallback)."""
@@ -301,6 +309,10 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         if entry.close:
             self._close_session(link, session_id)
             return
+        answered = self.answer_at_once(link.sessions.get(session_id), entry)
+        if answered is not None:
+            link.results.append(answered)
+            return
         request = entry.step
         try:
             if session_id in link.running:
@@ -363,7 +375,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             job, session = pending.job, pending.session
             if error is None:
                 try:
-                    response = self.respond(job, pending.request)
+                    response = self.respond(job, pending.request, session)
                 except Exception as exc:  # noqa: BLE001 - this session's answer alone
                     error = exc
             if error is not None:
@@ -422,6 +434,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         session = link.sessions.pop(session_id, None)
         if session is not None:
             log.info("session_closed", request_id=session.request_id, cached_tokens=session.length)
+            self.forget(session)
             self.store.close(session)
             self._publish_gauges()
 
@@ -457,10 +470,6 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
 
     def stop(self) -> None:
         self.engine.stop()
-
-    def _close(self, session: Session) -> None:
-        self.store.close(session)
-        self._publish_gauges()
 
     def _publish_gauges(self) -> None:
         self._open_sessions.set(self.store.open_sessions)

@@ -22,14 +22,15 @@ from orchestrator.goodput import StepTimes
 from orchestrator.k_policy import KPolicy
 from orchestrator.metrics import CHOSEN_K
 from orchestrator.ngram import NgramIndex
-from orchestrator.proposals import MODEL, NGRAM, NO_DRAFT, Draft, Stats, point_masses
-from orchestrator.rejection import SampledRound, Verdict, acceptance_probability, draw_uniforms, verify_greedy
+from orchestrator.proposals import MODEL, NGRAM, NO_DRAFT, Draft, RowsAt, Stats, point_masses
+from orchestrator.rejection import CompactRound, Verdict, acceptance_probability, draw_uniforms, verify_greedy
 from orchestrator.sampler import BatchSampler
 from orchestrator.upstream import SessionStream
-from serving.errors import ServiceError
+from serving.errors import ServiceError, unavailable
+from serving.logits import first_rejection, rows_from_wire
 from serving.sampling import SamplingParams, seeded_generator
-from serving.tensors import WireFormatError, decode_prob_rows
-from specdec.v1 import draft_pb2, orchestrator_pb2, target_pb2
+from serving.tensors import WireFormatError
+from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2, target_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -57,11 +58,11 @@ class GenerationRequest:
 @dataclass(frozen=True)
 class Checked:
     """The target's answer to one step: the round's verdict, the target's forward seconds, and (when
-    sampling) its probability rows, [k + 1, vocab]."""
+    sampling) its row at the first rejection, or the bonus row, [vocab]."""
 
     verdict: Verdict
     target_seconds: float
-    target_probs: torch.Tensor | None = None
+    target_row: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -254,8 +255,9 @@ class Generation:
             if k == 0:
                 self.lookup_policy.observe(Verdict([], 0, 0))  # a round at K = 0, for its probes
             return NO_DRAFT
-        probs = None if self.request.sampling.greedy else point_masses(token_ids, self.limits.vocab_size)
-        return Draft(token_ids=token_ids, probs=probs, proposer=NGRAM)
+        # A lookup proposes deterministically: q is a point mass on each token, so q(x) = 1.
+        probs = None if self.request.sampling.greedy else [1.0] * len(token_ids)
+        return Draft(token_ids=token_ids, token_probs=probs, proposer=NGRAM)
 
     def _room(self, produced: int) -> int:
         """The most tokens a block may propose without a round overshooting a limit."""
@@ -309,10 +311,10 @@ class Generation:
             self.policy.observe_probe(None)  # the draft failed or was busy
             return
         token = probe.token_ids[0]
-        if probe.probs is None or checked.target_probs is None:
+        if probe.token_probs is None or checked.target_row is None:
             acceptance = float(token == checked.verdict.output_token_ids[0])
-        else:
-            acceptance = acceptance_probability(token, probe.probs[0], checked.target_probs[0])
+        else:  # the step was at K = 0: its row is the one for the probe's position
+            acceptance = acceptance_probability(probe.token_probs[0], float(checked.target_row[token]))
         self.policy.observe_probe(acceptance)
 
     def _round_k(self, produced: int) -> int:
@@ -358,12 +360,14 @@ class Generation:
                 fed_beyond=lambda response: response.draft_token_ids,  # all but the last are fed
             )
             response = stepped.response
-            probs = None
-            if not self.request.sampling.greedy:
-                probs = decode_prob_rows(response.draft_probs, self.limits.vocab_size)
             token_ids = list(response.draft_token_ids)
-            if not 1 <= len(token_ids) <= k or (probs is not None and probs.shape[0] != len(token_ids)):
+            probs = None if self.request.sampling.greedy else list(response.draft_token_probs)
+            if not 1 <= len(token_ids) <= k:
                 raise WireFormatError(f"draft returned {len(token_ids)} tokens for k = {k}")
+            if probs is not None and (len(probs) != len(token_ids) or not all(0.0 < q <= 1.0 for q in probs)):
+                raise WireFormatError(
+                    f"draft returned {len(probs)} probabilities in (0, 1] for {len(token_ids)} tokens"
+                )
         except (ServiceError, TimeoutError, WireFormatError) as exc:
             fault = is_draft_fault(exc)
             log.warning("draft_step_failed", error=str(exc) or type(exc).__name__, draft_fault=fault)
@@ -379,7 +383,8 @@ class Generation:
             self.times.draft.observe(response.timing, len(token_ids))
         return Draft(
             token_ids=token_ids,
-            probs=probs,
+            token_probs=probs,
+            rows_at=RowsAt(draft.where, response.step_number) if probs is not None else None,
             forward_seconds=response.timing.forward_seconds,
             fed=stepped.fed,
             forward_seconds_per_token=response.timing.forward_seconds / len(token_ids),
@@ -390,22 +395,27 @@ class Generation:
         plus `draft` meanwhile (None when side_k is 0), left running: the step's tokens go to the client
         before the next round awaits it."""
         if not side_k:
-            return await self._verify(draft), None
+            return await self._verify(draft, None), None
         side = asyncio.create_task(self._propose(self.sequence + draft.token_ids, side_k))
         try:
-            checked = await self._verify(draft)
+            checked = await self._verify(draft, side)
         except BaseException:
             await _cancel(side)
             raise
         return checked, side
 
-    async def _verify(self, draft: Draft) -> Checked:
-        """The target's verdict on a block, its forward seconds and, sampling, its rows."""
+    async def _verify(self, draft: Draft, side: asyncio.Task[Draft] | None) -> Checked:
+        """The target's verdict on a block, its forward seconds and, sampling, its row for the last
+        token (`side`: the draft's step beside this one, on the same session as the block's rows)."""
         context = [*self.sequence, *draft.token_ids]
-        rows = len(draft.token_ids) + 1
+        k = len(draft.token_ids)
+        rows = k + 1
         sampling = self.sampling_proto
         # Drawn before the step is sent: a resend after a cache miss or a failover decides with the same.
-        uniforms = None if self.request.sampling.greedy else draw_uniforms(len(draft.token_ids), self.generator)
+        uniforms = None if self.request.sampling.greedy else draw_uniforms(k, self.generator)
+        sampled = {}
+        if uniforms is not None:
+            sampled = {"draft_token_probs": draft.token_probs or [], "uniforms": uniforms[:k].tolist()}
         try:  # a step unanswered for --target-timeout-s raises TimeoutError (its link's timer)
             stepped = await self.target.step(
                 context,
@@ -415,6 +425,7 @@ class Generation:
                     append_token_ids=context[keep:],
                     num_rows=rows,
                     sampling=sampling,
+                    **sampled,
                 ),
                 min_append=rows,  # the rows start at the last committed token
             )
@@ -432,14 +443,86 @@ class Generation:
         if self.request.sampling.greedy:
             return Checked(verify_greedy(draft.token_ids, response.argmax_token_ids), target_seconds)
         assert uniforms is not None
-        draft_ids = torch.tensor(draft.token_ids, dtype=torch.long)  # [k]
+        if draft.rows_at is not None and self.draft is not None and not self.draft.reachable(draft.rows_at.session):
+            # The draft replica holding the block's rows is gone. Decided before the verdict is read, so
+            # that dropping the round cannot favour any outcome: the target decides the round alone.
+            log.info("round_redone_without_draft", request_id=self.request.request_id)
+            return await self._verify(NO_DRAFT, None)
         try:
-            target_probs = decode_prob_rows(response.target_probs, self.limits.vocab_size)  # [k + 1, vocab]
-        except WireFormatError as exc:
+            num_accepted, target_row = self._check_sampled(draft, response, uniforms)
+        except (WireFormatError, ValueError) as exc:
+            self.target.reset()  # the replica is avoided for a while
+            log.error("target_rows_refused", request_id=self.request.request_id, error=str(exc))
             raise ServiceError(grpc.StatusCode.INTERNAL, f"the target replica sent unusable rows: {exc}") from exc
-        draft_probs = draft.probs if draft.probs is not None else torch.empty(0, self.limits.vocab_size)
-        verdict = await self.sampler.verdict(SampledRound(draft_ids, draft_probs, target_probs, uniforms))
-        return Checked(verdict, target_seconds, target_probs)
+        draft_row = None
+        if num_accepted < k:
+            draft_row = await self._draft_row(draft, num_accepted, side)
+        uniform = float(uniforms[k])
+        verdict = await self.sampler.verdict(
+            CompactRound(draft.token_ids, num_accepted, target_row, draft_row, uniform)
+        )
+        return Checked(verdict, target_seconds, target_row)
+
+    def _check_sampled(
+        self, draft: Draft, response: target_pb2.VerifyResponse, uniforms: torch.Tensor
+    ) -> tuple[int, torch.Tensor]:
+        """The round's first rejection, decided here from the target's p(x) and the draft's q(x) with the
+        round's own uniforms, and the target's row for it; raises ValueError when the target's own
+        decision differs (a bug, or a faulty replica) or its material is malformed."""
+        k = len(draft.token_ids)
+        target_token_probs = list(response.draft_token_target_probs)
+        if len(target_token_probs) != k:
+            raise ValueError(f"{len(target_token_probs)} target probabilities for {k} draft tokens")
+        assert draft.token_probs is not None or k == 0
+        num_accepted = first_rejection(
+            torch.tensor(target_token_probs, dtype=torch.float32),
+            torch.tensor(draft.token_probs or [], dtype=torch.float32),
+            uniforms,
+        )
+        if num_accepted != response.num_accepted:
+            raise ValueError(
+                f"the target found the first rejection at {response.num_accepted}, the orchestrator at {num_accepted}"
+            )
+        row = rows_from_wire(response.row, self.request.sampling, self.limits.vocab_size)  # [1, vocab]
+        if row.shape[0] != 1:
+            raise ValueError(f"the target sent {row.shape[0]} rows for the last token, not 1")
+        return num_accepted, row[0]
+
+    async def _draft_row(self, draft: Draft, index: int, side: asyncio.Task[Draft] | None) -> torch.Tensor:
+        """q at a block's first rejection, [vocab]: a point mass for a lookup's token; the draft's row,
+        fetched from the session that drafted it, or recomputed by the draft when that session no longer
+        holds it (a reopen, a lost replica). Recomputing gives the same row (up to float rounding
+        between devices), so the round's outcome never depends on which way the row came; a round whose
+        row can be had neither way fails the request, since no exact verdict is left."""
+        vocab = self.limits.vocab_size
+        if draft.proposer == NGRAM:
+            return point_masses([draft.token_ids[index]], vocab)[0]
+        assert self.draft is not None and draft.rows_at is not None
+        rows_at = draft.rows_at
+        fetch = draft_pb2.RowFetch(step_number=rows_at.step_number, index=rows_at.offset + index)
+        fetched = await self.draft.fetch(rows_at.session, fetch)
+        try:
+            if fetched is not None and fetched.held:
+                return self._draft_row_from(fetched.row)
+            log.info("draft_row_recomputed", request_id=self.request.request_id)
+            if side is not None:  # the session's step beside this one ends first (a rejection made it moot)
+                await asyncio.wait([side])
+            context = [*self.sequence, *draft.token_ids[:index]]
+            stepped = await self.draft.step(context, lambda keep: self._draft_request(context, keep, 0))
+            return self._draft_row_from(stepped.response.row)
+        except (ServiceError, TimeoutError, WireFormatError) as exc:
+            if is_draft_fault(exc):
+                self.availability.failed()
+            raise unavailable(
+                f"the draft's row for this round's rejected token could be neither fetched nor recomputed ({exc}); "
+                "the round has no exact outcome without it: retry the request"
+            ) from exc
+
+    def _draft_row_from(self, message: common_pb2.LogitRows) -> torch.Tensor:
+        row = rows_from_wire(message, self.request.sampling, self.limits.vocab_size)
+        if row.shape[0] != 1:
+            raise WireFormatError(f"the draft sent {row.shape[0]} rows for one")
+        return row[0]
 
     def _commit(self, verdict: Verdict) -> list[int]:
         """Append the round's tokens (cut after an EOS); each service's next step keeps what it shares."""

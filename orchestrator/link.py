@@ -32,6 +32,7 @@ class LinkMessages:
     open: Callable[[Any], Any]
     step: Callable[..., Any]
     batch: Callable[..., Any]
+    fetches: bool = False  # the draft's link: a result may answer a row fetch (its `fetched` field)
 
 
 class Link:
@@ -49,6 +50,7 @@ class Link:
         self.timeout_s = timeout_s  # a step unanswered this long fails with TimeoutError
         self._entries: list[Any] = []
         self._waiting: dict[int, tuple[asyncio.Future[Any], float]] = {}  # session -> (its step, when sent)
+        self._fetching: dict[int, tuple[asyncio.Future[Any], float]] = {}  # session -> (its row fetch, when sent)
         self._wake = asyncio.Event()
         self._ids = itertools.count(1)
         self.lost: LinkLost | None = None
@@ -70,9 +72,21 @@ class Link:
         self._wake.set()
         return future
 
+    def fetch(self, session: int, fetch: Any) -> asyncio.Future[Any]:
+        """Send a draft session's row fetch, beside its step under way; the future resolves to its result."""
+        if self.lost is not None:
+            raise self.lost
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._fetching[session] = (future, loop.time())
+        self._entries.append(self._messages.step(session=session, fetch=fetch))
+        self._wake.set()
+        return future
+
     def close_session(self, session: int) -> None:
         """End a session on the replica (its cache is freed; a step under way is cancelled)."""
         self._waiting.pop(session, None)
+        self._fetching.pop(session, None)
         if self.lost is None:
             self._entries.append(self._messages.step(session=session, close=True))
             self._wake.set()
@@ -95,7 +109,9 @@ class Link:
         try:
             async for message in self._call:
                 for result in message.results:
-                    waiting = self._waiting.pop(result.session, None)
+                    fetched = self._messages.fetches and result.HasField("fetched")
+                    answered = self._fetching if fetched else self._waiting
+                    waiting = answered.pop(result.session, None)
                     if waiting is not None and not waiting[0].done():
                         waiting[0].set_result(result)
             self._lose(grpc.StatusCode.UNAVAILABLE, "the replica ended the stream")
@@ -107,8 +123,9 @@ class Link:
             return
         self.lost = LinkLost(code, details)
         self._writer.cancel()
-        waiting, self._waiting = self._waiting, {}
-        for future, _ in waiting.values():
+        waiting = [*self._waiting.values(), *self._fetching.values()]
+        self._waiting, self._fetching = {}, {}
+        for future, _ in waiting:
             if not future.done():
                 future.set_exception(self.lost)
         self._expiry.cancel()
@@ -120,11 +137,12 @@ class Link:
         while True:
             await asyncio.sleep(min(1.0, self.timeout_s / 4))
             deadline = asyncio.get_running_loop().time() - self.timeout_s
-            for session, (future, sent) in list(self._waiting.items()):
-                if sent < deadline:
-                    del self._waiting[session]
-                    if not future.done():
-                        future.set_exception(TimeoutError(f"no answer within {self.timeout_s:g} s"))
+            for waiting in (self._waiting, self._fetching):
+                for session, (future, sent) in list(waiting.items()):
+                    if sent < deadline:
+                        del waiting[session]
+                        if not future.done():
+                            future.set_exception(TimeoutError(f"no answer within {self.timeout_s:g} s"))
 
     async def close(self) -> None:
         self._lose(grpc.StatusCode.CANCELLED, "closed")

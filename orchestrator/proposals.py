@@ -3,7 +3,7 @@ the prompt lookup) and the request's statistics."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -87,29 +87,41 @@ class Stats:
 
 
 @dataclass(frozen=True)
+class RowsAt:
+    """Where the rows of a model block's tokens are held: the draft session (`SessionStream.where`)
+    that drafted it, the step's number there, and the step's index of the block's first token."""
+
+    session: object
+    step_number: int
+    offset: int = 0
+
+
+@dataclass(frozen=True)
 class Draft:
-    """One block of proposed tokens and the rows they were sampled from."""
+    """One block of proposed tokens and the draft's probability of each."""
 
     token_ids: list[int]  # [k]
-    probs: torch.Tensor | None  # [k, vocab]; None for greedy
+    token_probs: list[float] | None  # [k] q(x), float32 as sampled (1 for a lookup's); None for greedy
     forward_seconds: float = 0.0  # the draft service's forward time for this block
     proposer: str = MODEL  # MODEL (the draft service) or NGRAM (prompt lookup)
     fed: int = 0  # tokens the draft service was fed for this block (0: it cost no draft step)
     forward_seconds_per_token: float = 0.0  # the draft step's forward seconds per token it drafted
+    rows_at: RowsAt | None = None  # a sampled model block's rows, on the draft service
 
     def first(self, k: int) -> Draft:
         """The first k tokens (a ready block may be longer than this round allows)."""
         if k >= len(self.token_ids):
             return self
-        probs = self.probs[:k] if self.probs is not None else None
-        return Draft(
-            self.token_ids[:k], probs, self.forward_seconds, self.proposer, self.fed, self.forward_seconds_per_token
-        )
+        probs = self.token_probs[:k] if self.token_probs is not None else None
+        return replace(self, token_ids=self.token_ids[:k], token_probs=probs)
 
     def rest(self) -> Draft:
         """All but the first token (which turned out to be the bonus token); costs nothing more."""
-        probs = self.probs[1:] if self.probs is not None else None
-        return Draft(self.token_ids[1:], probs, 0.0, self.proposer, 0, self.forward_seconds_per_token)
+        probs = self.token_probs[1:] if self.token_probs is not None else None
+        rows_at = replace(self.rows_at, offset=self.rows_at.offset + 1) if self.rows_at is not None else None
+        return replace(
+            self, token_ids=self.token_ids[1:], token_probs=probs, forward_seconds=0.0, fed=0, rows_at=rows_at
+        )
 
 
-NO_DRAFT = Draft(token_ids=[], probs=None)
+NO_DRAFT = Draft(token_ids=[], token_probs=None)

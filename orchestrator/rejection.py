@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from serving.logits import first_rejection
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -75,14 +77,10 @@ def sample_index(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return index.clamp_max(weights.shape[-1] - 1)[..., 0]
 
 
-def acceptance_probability(
-    token: int,
-    draft_row: torch.Tensor,  # [vocab] float32: q, the draft's distribution the token was sampled from
-    target_row: torch.Tensor,  # [vocab] float32: p, the target's at the same position
-) -> float:
-    """min(1, p(token) / q(token)): how likely speculative sampling keeps a draft token."""
-    draft_prob = float(draft_row[token])
-    return min(1.0, float(target_row[token]) / draft_prob) if draft_prob > 0 else 0.0
+def acceptance_probability(draft_prob: float, target_prob: float) -> float:
+    """min(1, p(x) / q(x)): how likely speculative sampling keeps a draft token x sampled from q (a
+    token q never samples, q(x) = 0, is never kept)."""
+    return min(1.0, target_prob / draft_prob) if draft_prob > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -97,8 +95,8 @@ class SampledRound:
 
 def verify_sampled(round_: SampledRound) -> Verdict:
     """Standard speculative sampling (Leviathan et al. 2023; Chen et al. 2023): the committed tokens
-    are distributed exactly as the target alone would sample them. The definition that the batched
-    path (`verify_sampled_batch`) is tested against, row by row."""
+    are distributed exactly as the target alone would sample them. The definition that the path the
+    wire takes (`compact_round`, `last_tokens`) is tested against, row by row."""
     ids, draft_probs, target_probs, uniforms = (
         round_.draft_token_ids.long(),
         round_.draft_probs,
@@ -107,12 +105,8 @@ def verify_sampled(round_: SampledRound) -> Verdict:
     )
     k = ids.numel()
     positions = torch.arange(k)
-    target_of_draft = target_probs[positions, ids]  # [k] p(x)
-    draft_of_draft = draft_probs[positions, ids]  # [k] q(x) > 0: each x was sampled from q
-    # u < p/q, written without a division; accepts with probability min(1, p/q).
-    accepted = uniforms[:k] * draft_of_draft.double() < target_of_draft.double()  # [k] bool
-    rejected = (~accepted).nonzero()
-    num_accepted = int(rejected[0, 0]) if rejected.numel() else k
+    # p(x) and q(x) > 0 (each x was sampled from q)
+    num_accepted = first_rejection(target_probs[positions, ids], draft_probs[positions, ids], uniforms)
     if num_accepted < k:
         last_row = residual_distribution(target_probs[num_accepted], draft_probs[num_accepted])
     else:
@@ -122,43 +116,44 @@ def verify_sampled(round_: SampledRound) -> Verdict:
     return Verdict(output_token_ids=output, num_accepted=num_accepted, num_drafted=k)
 
 
-def verify_sampled_batch(rounds: Sequence[SampledRound]) -> list[Verdict]:
-    """`verify_sampled` over many rounds (of any k, 0 included) in one pass of tensor operations, in
-    the shape of vLLM's rejection sampler: the draft positions of every round flattened into one
-    vector, the first rejection of each round by a segmented minimum, and every round's recovered or
-    bonus row sampled together. Each round decides with its own uniforms, so its verdict is the one
-    `verify_sampled` gives it alone."""
+@dataclass(frozen=True)
+class CompactRound:
+    """A sampled round as the wire carries it (docs/design.md, "Sampled rounds"): the first rejection,
+    found from the draft tokens' p(x) and q(x) scalars with the round's uniforms (`first_rejection`), and
+    the rows its last token needs: p at that position and, after a rejection, q there."""
+
+    draft_token_ids: list[int]  # [k]
+    num_accepted: int
+    target_row: torch.Tensor  # [vocab] float32: p at position num_accepted
+    draft_row: torch.Tensor | None  # [vocab] float32: q there, after a rejection (None: all accepted)
+    uniform: float  # the round's last uniform, for the recovered or bonus token
+
+
+def compact_round(round_: SampledRound) -> CompactRound:
+    """What the wire carries of a round whose rows are all at hand (the stand-in services of tests)."""
+    ids = round_.draft_token_ids.long()
+    positions = torch.arange(ids.numel())
+    j = first_rejection(round_.target_probs[positions, ids], round_.draft_probs[positions, ids], round_.uniforms)
+    draft_row = round_.draft_probs[j] if j < ids.numel() else None
+    return CompactRound(ids.tolist(), j, round_.target_probs[j], draft_row, float(round_.uniforms[ids.numel()]))
+
+
+def last_tokens(rounds: Sequence[CompactRound]) -> list[Verdict]:
+    """The verdicts of many rounds whose first rejections are known: every round's recovered or bonus
+    token sampled together, in one pass of tensor operations (the shape of vLLM's rejection sampler).
+    Each round samples with its own uniform, so its verdict is the one `verify_sampled` gives it alone."""
     if not rounds:
         return []
-    ks = torch.tensor([r.draft_token_ids.numel() for r in rounds])  # [R]
-    count = len(rounds)
-    ids = torch.cat([r.draft_token_ids.long() for r in rounds])  # [N]
-    # Every round's k + 1 target rows in one [N + R, vocab] tensor; round i's rows start at starts[i].
-    target = torch.cat([r.target_probs for r in rounds])
-    starts = torch.cumsum(ks + 1, 0) - (ks + 1)  # [R]
-    round_of = torch.repeat_interleave(torch.arange(count), ks)  # [N]
-    position = torch.arange(ids.numel()) - torch.repeat_interleave(starts - torch.arange(count), ks)  # [N]
-    target_rows = starts[round_of] + position  # [N]: the target row of each draft position
-    draft = torch.cat([r.draft_probs for r in rounds]) if ids.numel() else target[:0]  # [N, vocab]
-    uniforms = torch.cat([r.uniforms for r in rounds])  # [N + R]
-    flat = torch.arange(ids.numel())
-    accepted = uniforms[target_rows] * draft[flat, ids].double() < target[target_rows, ids].double()  # [N]
-    rejected = ~accepted
-    num_accepted = ks.clone().scatter_reduce(0, round_of[rejected], position[rejected], "amin")  # [R]
-    # The row each round samples its last token from: p at the first rejection less q there (the
-    # residual), or p's bonus row; a residual that is all zero falls back to p (`residual_distribution`).
-    last_target = target[starts + num_accepted]  # [R, vocab]
-    last_draft = torch.zeros_like(last_target)
-    was_rejected = num_accepted < ks
-    if bool(was_rejected.any()):
-        draft_starts = torch.cumsum(ks, 0) - ks
-        last_draft[was_rejected] = draft[(draft_starts + num_accepted)[was_rejected]]
-    residual = (last_target - last_draft).clamp_min(0.0)
+    target = torch.stack([r.target_row for r in rounds])  # [R, vocab]
+    draft = torch.stack([r.draft_row if r.draft_row is not None else torch.zeros_like(r.target_row) for r in rounds])
+    # p less q at a rejection (the residual); p itself for a bonus token, and for a residual that is
+    # all zero (`residual_distribution`).
+    residual = (target - draft).clamp_min(0.0)
     empty = residual.sum(-1) <= 0
-    residual[empty] = last_target[empty]
-    last_tokens = sample_index(residual, uniforms[starts + ks][:, None]).tolist()
-    verdicts = []
-    for i, (k, accepted_count) in enumerate(zip(ks.tolist(), num_accepted.tolist(), strict=True)):
-        output = [*rounds[i].draft_token_ids[:accepted_count].tolist(), last_tokens[i]]
-        verdicts.append(Verdict(output_token_ids=output, num_accepted=accepted_count, num_drafted=k))
-    return verdicts
+    residual[empty] = target[empty]
+    uniforms = torch.tensor([r.uniform for r in rounds], dtype=torch.float64)
+    tokens = sample_index(residual, uniforms[:, None]).tolist()
+    return [
+        Verdict([*r.draft_token_ids[: r.num_accepted], token], r.num_accepted, len(r.draft_token_ids))
+        for r, token in zip(rounds, tokens, strict=True)
+    ]

@@ -1,5 +1,5 @@
-"""Accept/reject over the batch: every sampled round whose rows arrived in the same turn of the event
-loop is decided in one `verify_sampled_batch` call.
+"""Accept/reject over the batch: the last tokens of every sampled round whose rows arrived in the same
+turn of the event loop are sampled in one `last_tokens` call.
 
 A link's answer resolves the steps of every session it carries at once, so their requests resume in
 the same turn; each hands its round here and waits, and the batch is decided in the next turn, after
@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import asyncio
 
-from orchestrator.rejection import SampledRound, Verdict, verify_sampled, verify_sampled_batch
+from orchestrator.rejection import CompactRound, Verdict, last_tokens
 
 
 class BatchSampler:
     """Shared by the requests of one orchestrator (one event loop)."""
 
     def __init__(self) -> None:
-        self._pending: list[tuple[SampledRound, asyncio.Future[Verdict]]] = []
+        self._pending: list[tuple[CompactRound, asyncio.Future[Verdict]]] = []
 
-    async def verdict(self, round_: SampledRound) -> Verdict:
+    async def verdict(self, round_: CompactRound) -> Verdict:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Verdict] = loop.create_future()
         if not self._pending:
@@ -33,11 +33,11 @@ class BatchSampler:
         pending, self._pending = self._pending, []
         waiting = [(round_, future) for round_, future in pending if not future.done()]  # not cancelled
         try:
-            verdicts = verify_sampled_batch([round_ for round_, _ in waiting])
+            verdicts = last_tokens([round_ for round_, _ in waiting])
         except Exception:  # noqa: BLE001 - decided alone below, where the failing round gets its own error
             for round_, future in waiting:
                 try:
-                    future.set_result(verify_sampled(round_))
+                    future.set_result(last_tokens([round_])[0])
                 except Exception as exc:  # noqa: BLE001 - that request's failure, delivered to it
                     future.set_exception(exc)
             return

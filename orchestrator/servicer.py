@@ -75,7 +75,7 @@ def check_request_id(request_id: str) -> None:
 
 # Each replica's link: one stream for the steps of every session pinned there.
 TARGET_LINK = LinkMessages(lambda stub: stub.Verify(), target_pb2.VerifyStep, target_pb2.VerifyBatch)
-DRAFT_LINK = LinkMessages(lambda stub: stub.Draft(), draft_pb2.DraftStep, draft_pb2.DraftBatch)
+DRAFT_LINK = LinkMessages(lambda stub: stub.Draft(), draft_pb2.DraftStep, draft_pb2.DraftBatch, fetches=True)
 
 
 class PairMismatch(Exception):

@@ -268,6 +268,29 @@ class SessionStream(Generic[RequestT, ResponseT]):
         )
 
     @property
+    def where(self) -> object:
+        """The session's place now (its link and id): a row fetch asks there, and only there."""
+        return (self._link, self._session)
+
+    def reachable(self, where: object) -> bool:
+        """Whether the link a session was at (`where`) still stands, wherever the session is now."""
+        link = where[0] if isinstance(where, tuple) else None
+        return isinstance(link, Link) and link.lost is None
+
+    async def fetch(self, where: object, fetch: Any) -> Any | None:
+        """The FetchedRow answering `fetch` from the session at `where`, or None when it is not that
+        session any more (reopened since) or its replica does not answer it (lost, timed out, an error)."""
+        if where != self.where or self._link is None:
+            return None
+        try:
+            result = await self._link.fetch(self._session, fetch)
+        except (LinkLost, TimeoutError) as exc:
+            log.warning("row_fetch_failed", service=self.pool.name, replica=self._address, error=str(exc))
+            return None
+        self.wire_bytes += fetch.ByteSize() + result.ByteSize()
+        return result.fetched if result.HasField("fetched") else None
+
+    @property
     def _address(self) -> str:
         return self.replica.address if self.replica else ""
 

@@ -1,4 +1,5 @@
-"""TargetService: crop to `keep`, feed the block, return argmax ids or probability rows."""
+"""TargetService: crop to `keep`, feed the block, return argmax ids or, sampling, the round's material:
+the draft tokens' p(x), the first rejection, and the one row the round's last token is sampled from."""
 
 from __future__ import annotations
 
@@ -9,14 +10,33 @@ import grpc
 import torch
 
 from model_host.engine import Job
-from model_host.logits import logits_to_probs
 from model_host.session_servicer import SessionServicer
+from model_host.sessions import Session
 from serving.errors import invalid_argument
+from serving.logits import first_rejection, logits_to_probs, rows_to_wire
 from serving.sampling import SamplingParams
-from serving.tensors import encode_prob_rows
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 
 SERVICE_NAME = "specdec.v1.TargetService"
+
+
+def answer_sampled(
+    response: target_pb2.VerifyResponse, logits: torch.Tensor, params: SamplingParams, request: target_pb2.VerifyRequest
+) -> None:
+    """Fill a sampled step's answer from the block's logits ([K + 1, vocab], the model's dtype): p(x) of
+    each draft token, the first rejection by the acceptance function the orchestrator applies too, and
+    that position's logits (the recovered token's row, or the bonus token's)."""
+    probs = logits_to_probs(logits, params)  # [K + 1, vocab] float32
+    k = len(request.draft_token_probs)
+    draft_ids = torch.tensor(list(request.append_token_ids)[len(request.append_token_ids) - k :], dtype=torch.long)
+    target_token_probs = probs[torch.arange(k), draft_ids.to(probs.device)].cpu()  # [K]
+    draft_token_probs = torch.tensor(list(request.draft_token_probs), dtype=torch.float32)
+    j = first_rejection(
+        target_token_probs, draft_token_probs, torch.tensor(list(request.uniforms), dtype=torch.float64)
+    )
+    response.draft_token_target_probs.extend(target_token_probs.tolist())
+    response.num_accepted = j
+    response.row.CopyFrom(rows_to_wire(logits[j : j + 1], params))
 
 
 @dataclass(eq=False)
@@ -52,7 +72,16 @@ class TargetServicer(
                 f"num_rows must be in [1, min(len(append_token_ids), --max-speculative-tokens + 1) = {most}]; "
                 f"got {request.num_rows}"
             )
-        SamplingParams.from_proto(request.sampling)
+        if SamplingParams.from_proto(request.sampling).greedy:
+            return
+        k = request.num_rows - 1
+        for name in ("draft_token_probs", "uniforms"):
+            if len(getattr(request, name)) != k:
+                raise invalid_argument(f"{name} must hold num_rows - 1 = {k} values; got {len(getattr(request, name))}")
+        if not all(0.0 < q <= 1.0 for q in request.draft_token_probs):  # also rejects NaN
+            raise invalid_argument("draft_token_probs must be in (0, 1]: each draft token was sampled from its row")
+        if not all(0.0 <= u < 1.0 for u in request.uniforms):
+            raise invalid_argument("uniforms must be in [0, 1)")
 
     def make_job(self, slot: int, request: target_pb2.VerifyRequest) -> Job:
         # After a block's verify the session drafts before it verifies again: no batch waits for it.
@@ -77,14 +106,14 @@ class TargetServicer(
             job.argmax = ids[start : start + logits.shape[0]]
             start += logits.shape[0]
 
-    def respond(self, job: Job, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
+    def respond(self, job: Job, request: target_pb2.VerifyRequest, session: Session) -> target_pb2.VerifyResponse:
         assert isinstance(job, VerifyJob) and job.logits is not None
         response = target_pb2.VerifyResponse(result=common_pb2.SESSION_RESULT_OK, cached_tokens=job.start)
         if job.params.greedy:
             argmax = job.argmax if job.argmax is not None else job.logits.argmax(dim=-1).tolist()
             response.argmax_token_ids.extend(argmax)
         else:
-            response.target_probs.CopyFrom(encode_prob_rows(logits_to_probs(job.logits, job.params)))
+            answer_sampled(response, job.logits, job.params, request)
         return response
 
 

@@ -168,6 +168,21 @@ class RawSession:
             raise StepFailed(failure.code, failure.details)
         return result.response
 
+    def fetch(self, step_number: int, index: int) -> Any:
+        """A draft session's row fetch: the FetchedRow answering it."""
+        self._requests.put(
+            draft_pb2.DraftBatch(
+                steps=[
+                    draft_pb2.DraftStep(
+                        session=self.session, fetch=draft_pb2.RowFetch(step_number=step_number, index=index)
+                    )
+                ]
+            )
+        )
+        (result,) = next(self._responses).results
+        assert result.session == self.session and result.HasField("fetched")
+        return result.fetched
+
     def close_session(self) -> None:
         """End the session, keeping the stream."""
         assert self._types is not None

@@ -86,3 +86,51 @@ def test_bfloat16_divergences_are_near_ties(tiny_pair, target_model):
         orchestrator.stop()
         target.stop()
         draft.stop()
+
+
+@pytest.mark.slow
+def test_bfloat16_sampling_follows_the_targets_own_bfloat16_rows(tiny_pair):
+    """Rows travel as the bfloat16 logits the models produced, and every side forms the float32 softmax
+    of them: the first sampled token through the services follows the bfloat16 target's own
+    distribution (its logits, softmaxed as the target alone samples)."""
+    from collections import Counter
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.test_sampling_exactness import chi_square_pvalue
+
+    target_bf16 = load_model(str(tiny_pair.target), "cpu", "bfloat16")
+    target = start_target(target_bf16)
+    draft = start_draft(load_model(str(tiny_pair.close_draft), "cpu", "bfloat16"))
+    orchestrator = OrchestratorThread(orchestrator_config(target, draft))
+    prompt, samples = [5, 6, 7], 800
+    try:
+
+        def first_token(seed: int) -> tuple[int, int]:
+            request = orchestrator_pb2.GenerateRequest(
+                token_ids=orchestrator_pb2.TokenIds(ids=prompt),
+                max_new_tokens=2,
+                temperature=1.0,
+                seed=seed,
+                num_speculative_tokens=1,
+                speculation_policy=orchestrator_pb2.SPECULATION_POLICY_FIXED,
+            )
+            ids, _, last = collect(orchestrator.stub, request)
+            return ids[0], last.stats.draft_tokens - last.stats.accepted_tokens
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(first_token, range(samples)))
+        assert (
+            sum(rejected for _, rejected in results) > 20
+        )  # the draft's rows were fetched (41 here), not only bonus rows
+        with torch.no_grad():
+            logits = target_bf16.model(torch.tensor([prompt])).logits[0, -1]
+        assert logits.dtype == torch.bfloat16
+        probs = logits.float().softmax(-1).double().numpy()
+        expected: dict[tuple[int, ...], float] = {(t,): float(p) for t, p in enumerate(probs)}
+        counts = Counter({(t,): c for t, c in Counter(token for token, _ in results).items()})
+        pvalue = chi_square_pvalue(counts, expected, samples)
+        assert pvalue > 0.01, pvalue
+    finally:
+        orchestrator.stop()
+        target.stop()
+        draft.stop()

@@ -131,8 +131,8 @@ def test_load_aware_probes_an_unrelated_draft_beside_the_targets_steps(orchestra
             num_speculative_tokens=2,
             speculation_policy=orchestrator_pb2.SPECULATION_POLICY_LOAD_AWARE,
         )
-        if sampled:
-            request.temperature, request.seed = 1.0, 7
+        if sampled:  # cold enough that the two random models' rows are peaked, and mostly disagree
+            request.temperature, request.seed = 0.3, 7
         got, _, last = collect(orchestrators["random"].stub, request)
         if not sampled:
             expected = hf_greedy(target_model, prompt, 64)
@@ -141,8 +141,8 @@ def test_load_aware_probes_an_unrelated_draft_beside_the_targets_steps(orchestra
         probes += last.stats.probe_rounds
         drafted += last.stats.draft_tokens
     if sampled:
-        # Sampled, the tiny random draft agrees now and then (min(1, p / q) is not small between two
-        # near-uniform models), so speculation is off for fewer rounds; the probes' rows still ran.
+        # Sampled, the random draft still agrees now and then, so speculation is off for fewer rounds;
+        # the probes' scoring from the target's one row still ran.
         assert probes >= 1, (probes, drafted)
     else:
         assert probes >= 3, (probes, drafted)  # about one K = 0 round in eight asked the draft

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_host.logits import logits_to_probs
 from serving.errors import ServiceError
+from serving.logits import logits_to_probs
 from serving.sampling import SamplingParams
 
 

@@ -13,9 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from model_host.loading import LoadedModel
-from model_host.logits import logits_to_probs
+from serving.logits import logits_to_probs, rows_from_wire
 from serving.sampling import SamplingParams
-from serving.tensors import decode_prob_rows
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.conftest import RawSession, still_speculates, wait_until
 from tests.servers import start_draft, start_target
@@ -37,6 +36,19 @@ def _draft(ids: list[int], **fields) -> draft_pb2.DraftRequest:
     return draft_pb2.DraftRequest(keep=0, append_token_ids=ids, **{"num_speculative_tokens": 2, **fields})
 
 
+def _rejecting(keep: int, ids: list[int], k: int) -> target_pb2.VerifyRequest:
+    """A sampled verify step whose draft tokens (the last k) are point masses (q = 1) and whose uniforms
+    reject almost surely: the answer's row is the one at the block's first position."""
+    return target_pb2.VerifyRequest(
+        keep=keep,
+        append_token_ids=ids,
+        num_rows=k + 1,
+        sampling=SAMPLE,
+        draft_token_probs=[1.0] * k,
+        uniforms=[0.999999] * k,
+    )
+
+
 def _fresh_probs(model: LoadedModel, sequence: list[int]) -> torch.Tensor:
     """Next-token distribution from a fresh prefill of the whole sequence, no cache. [vocab]"""
     with torch.no_grad():
@@ -55,15 +67,14 @@ def test_target_rollback_matches_fresh_prefill(target_server, target_model):
         for _ in range(25):
             k = rng.randrange(0, 6)
             block = [rng.randrange(1, vocab) for _ in range(k)]
-            response = session.step(
-                target_pb2.VerifyRequest(
-                    keep=fed, append_token_ids=committed[fed:] + block, num_rows=k + 1, sampling=SAMPLE
-                )
-            )
-            assert response.result == OK
-            rows = decode_prob_rows(response.target_probs, vocab)
+            response = session.step(_rejecting(fed, committed[fed:] + block, k))
+            assert response.result == OK and response.num_accepted == 0
+            row = rows_from_wire(response.row, SamplingParams(temperature=1.0), vocab)[0]
             # the first row predicts after the last committed token: compare with a fresh prefill
-            assert torch.allclose(rows[0], _fresh_probs(target_model, committed), atol=1e-5)
+            fresh = _fresh_probs(target_model, committed)
+            assert torch.allclose(row, fresh, atol=1e-5)
+            if k:
+                assert abs(response.draft_token_target_probs[0] - float(fresh[block[0]])) < 1e-5
             accepted = rng.randrange(0, k + 1)
             fed = len(committed) + accepted
             committed += [*block[:accepted], rng.randrange(1, vocab)]
@@ -88,8 +99,12 @@ def test_draft_rollback_including_unfed_last_token(close_draft_server, close_dra
                 )
             )
             assert response.result == OK and len(response.draft_token_ids) == k
-            rows = decode_prob_rows(response.draft_probs, vocab)
-            assert torch.allclose(rows[0], _fresh_probs(close_draft_model, committed), atol=1e-5)
+            fresh = _fresh_probs(close_draft_model, committed)
+            assert abs(response.draft_token_probs[0] - float(fresh[response.draft_token_ids[0]])) < 1e-5
+            fetched = session.fetch(response.step_number, 0)
+            assert fetched.held
+            row = rows_from_wire(fetched.row, SamplingParams(temperature=1.0), vocab)[0]
+            assert torch.allclose(row, fresh, atol=1e-5)
             assert response.cached_tokens == len(committed) + k - 1
             accepted = rng.choice([k, rng.randrange(0, k + 1)])
             full_acceptances += accepted == k
@@ -112,10 +127,41 @@ def test_draft_samples_from_the_rows_it_reports(close_draft_server, close_draft_
                 seed=9,
             )
         )
-        rows = decode_prob_rows(response.draft_probs, vocab)
-        for row, token in zip(rows, response.draft_token_ids, strict=True):
+        params = SamplingParams(temperature=0.7, top_k=5)
+        for index, (token, q) in enumerate(zip(response.draft_token_ids, response.draft_token_probs, strict=True)):
+            fetched = session.fetch(response.step_number, index)
+            assert fetched.held and list(fetched.row.logits.shape) == [1, 5]  # over its support alone
+            row = rows_from_wire(fetched.row, params, vocab)[0]
             assert row[token] > 0 and (row > 0).sum() <= 5
-            assert torch.isclose(row.sum(), torch.tensor(1.0))
+            assert abs(float(row[token]) - q) < 1e-6
+        session.close()
+
+
+def test_a_draft_keeps_the_rows_of_its_last_two_steps_and_answers_a_fetch_beside_a_step(close_draft_server):
+    """The step verified and the one drafted beside it: a fetch for either is answered; an older step's,
+    another session's, or a closed session's is not held (the orchestrator then recomputes the row)."""
+    with _channel(close_draft_server) as channel:
+        session = RawSession(draft_pb2_grpc.DraftServiceStub(channel).Draft)
+        numbers = []
+        context = [3, 4, 5]
+        for seed in range(3):
+            response = session.step(
+                draft_pb2.DraftRequest(
+                    keep=0, append_token_ids=context, num_speculative_tokens=3, sampling=SAMPLE, seed=seed
+                )
+            )
+            numbers.append(response.step_number)
+        assert numbers == [1, 2, 3]
+        assert session.fetch(2, 1).held and session.fetch(3, 2).held
+        assert not session.fetch(1, 0).held  # two steps later
+        assert not session.fetch(3, 3).held  # the step drafted 3 tokens
+        recomputed = session.step(
+            draft_pb2.DraftRequest(keep=3, append_token_ids=[9], num_speculative_tokens=0, sampling=SAMPLE)
+        )
+        assert not recomputed.draft_token_ids and recomputed.row.logits.shape[0] == 1
+        assert session.fetch(3, 0).held  # a row-only step keeps nothing new
+        session.close_session()
+        assert not session.fetch(3, 0).held
         session.close()
 
 
@@ -160,6 +206,30 @@ def test_cache_miss_then_reopen(target_server):
         (_verify([1, -1]), "vocabulary"),
         (target_pb2.VerifyRequest(keep=0, append_token_ids=[1] * 20, num_rows=18), "--max-speculative-tokens + 1"),
         (target_pb2.VerifyRequest(keep=250, append_token_ids=[1] * 10, num_rows=1), "context"),
+        (
+            target_pb2.VerifyRequest(
+                keep=0, append_token_ids=[1, 2, 3], num_rows=3, sampling=SAMPLE, uniforms=[0.5] * 2
+            ),
+            "draft_token_probs must hold num_rows - 1 = 2",
+        ),
+        (
+            target_pb2.VerifyRequest(
+                keep=0, append_token_ids=[1, 2], num_rows=2, sampling=SAMPLE, draft_token_probs=[0.5], uniforms=[]
+            ),
+            "uniforms must hold",
+        ),
+        (
+            target_pb2.VerifyRequest(
+                keep=0, append_token_ids=[1, 2], num_rows=2, sampling=SAMPLE, draft_token_probs=[0.0], uniforms=[0.5]
+            ),
+            "draft_token_probs must be in (0, 1]",
+        ),
+        (
+            target_pb2.VerifyRequest(
+                keep=0, append_token_ids=[1, 2], num_rows=2, sampling=SAMPLE, draft_token_probs=[0.5], uniforms=[1.0]
+            ),
+            "uniforms must be in [0, 1)",
+        ),
     ],
 )
 def test_target_bad_requests(target_server, orchestrators, request_message, words):
@@ -180,7 +250,7 @@ def test_target_bad_requests(target_server, orchestrators, request_message, word
         (draft_pb2.DraftRequest(keep=0, append_token_ids=[1], num_speculative_tokens=99), "num_speculative_tokens"),
         (draft_pb2.DraftRequest(keep=0, append_token_ids=[], num_speculative_tokens=2), "append_token_ids"),
         (draft_pb2.DraftRequest(keep=0, append_token_ids=[1], num_speculative_tokens=2, min_confidence=2), "min_conf"),
-        (draft_pb2.DraftRequest(keep=0, append_token_ids=[1], num_speculative_tokens=17), "[1, 16]"),
+        (draft_pb2.DraftRequest(keep=0, append_token_ids=[1], num_speculative_tokens=17), "[0, 16]"),
         (_draft([1], min_confidence=float("nan")), "min_confidence"),
         (_draft([1], min_confidence=-0.5), "min_confidence"),
         (_draft([1], sampling=common_pb2.SamplingParams(temperature=float("nan"))), "temperature"),
@@ -316,10 +386,10 @@ def test_a_bug_in_one_sessions_answer_fails_that_session_alone(target_model):
     server = start_target(target_model)
     respond = server.servicer.respond
 
-    def buggy(job, request):
+    def buggy(job, request, session):
         if request.append_token_ids[0] == 77:
             raise RuntimeError("boom")
-        return respond(job, request)
+        return respond(job, request, session)
 
     server.servicer.respond = buggy  # type: ignore[method-assign]
     try:

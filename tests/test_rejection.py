@@ -7,14 +7,20 @@ import torch
 from scipy import stats
 
 from orchestrator.rejection import (
+    CompactRound,
     SampledRound,
     Verdict,
+    compact_round,
     draw_uniforms,
+    last_tokens,
     residual_distribution,
     verify_greedy,
     verify_sampled,
-    verify_sampled_batch,
 )
+from serving.logits import logits_to_probs, rows_from_wire, rows_to_wire
+from serving.sampling import SamplingParams
+from specdec.v1 import target_pb2
+from target_service.servicer import answer_sampled
 
 
 def verify_seeded(
@@ -111,12 +117,10 @@ def test_one_step_output_follows_target_distribution():
 def test_acceptance_probability_is_min_one_p_over_q():
     from orchestrator.rejection import acceptance_probability
 
-    draft_row = torch.tensor([0.5, 0.25, 0.25, 0.0])
-    target_row = torch.tensor([0.25, 0.5, 0.25, 0.0])
-    assert acceptance_probability(0, draft_row, target_row) == 0.5
-    assert acceptance_probability(1, draft_row, target_row) == 1.0
-    assert acceptance_probability(2, draft_row, target_row) == 1.0
-    assert acceptance_probability(3, draft_row, target_row) == 0.0  # never sampled from q
+    assert acceptance_probability(0.5, 0.25) == 0.5
+    assert acceptance_probability(0.25, 0.5) == 1.0
+    assert acceptance_probability(0.25, 0.25) == 1.0
+    assert acceptance_probability(0.0, 0.0) == 0.0  # never sampled from q
 
 
 def _random_round(generator: torch.Generator, k: int, vocab: int, kind: str) -> SampledRound:
@@ -136,7 +140,8 @@ def _random_round(generator: torch.Generator, k: int, vocab: int, kind: str) -> 
 
 def test_the_batched_sampler_gives_every_round_the_verdict_it_gets_alone():
     """The definition is the per-round function: over batches of mixed k (0 included) and kinds of rows,
-    every round's verdict from the batched path equals `verify_sampled`'s on that round."""
+    every round's verdict from the path the wire takes (its first rejection from the scalars, its last
+    tokens sampled over the batch) equals `verify_sampled`'s on that round."""
     generator = torch.Generator().manual_seed(5)
     kinds = ["peaked", "flat", "equal", "sparse"]
     rejections = 0
@@ -145,12 +150,54 @@ def test_the_batched_sampler_gives_every_round_the_verdict_it_gets_alone():
             _random_round(generator, int(torch.randint(0, 7, (1,), generator=generator)), 37, kinds[(batch + i) % 4])
             for i in range(1 + batch % 9)
         ]
-        batched = verify_sampled_batch(rounds)
+        batched = last_tokens([compact_round(round_) for round_ in rounds])
         alone = [verify_sampled(round_) for round_ in rounds]
         assert batched == alone
         rejections += sum(not verdict.all_accepted for verdict in alone)
     assert rejections > 20  # the residual rows were exercised, not only bonus rows
-    assert verify_sampled_batch([]) == []
+    assert last_tokens([]) == []
+
+
+@pytest.mark.parametrize(
+    ("dtype", "params"),
+    [
+        (torch.float32, SamplingParams(temperature=1.0)),
+        (torch.bfloat16, SamplingParams(temperature=0.7)),
+        (torch.float16, SamplingParams(temperature=1.3, top_k=9)),
+        (torch.bfloat16, SamplingParams(temperature=1.0, top_p=0.8)),
+    ],
+)
+def test_the_wire_material_decides_as_the_full_rows_do(dtype, params):
+    """What travels (the target's `answer_sampled`: p(x), its first rejection, its one row as logits in
+    the model's dtype; the draft's q(x) and its row at the rejection, as logits too) gives every round
+    the verdict `verify_sampled` gives it from the full float32 rows of the same logits."""
+    generator = torch.Generator().manual_seed(3)
+    vocab, rejections = 61, 0
+    for trial in range(60):
+        k = trial % 5
+        target_logits = (torch.randn(k + 1, vocab, generator=generator) * 3).to(dtype)
+        draft_logits = (target_logits[:k].float() + torch.randn(k, vocab, generator=generator)).to(dtype)
+        draft, target = logits_to_probs(draft_logits, params), logits_to_probs(target_logits, params)
+        ids = torch.multinomial(draft, 1, generator=generator)[:, 0] if k else torch.empty(0, dtype=torch.long)
+        uniforms = draw_uniforms(k, generator)
+        context = torch.randint(0, vocab, (3,), generator=generator)
+        request = target_pb2.VerifyRequest(
+            append_token_ids=[*context.tolist(), *ids.tolist()],
+            num_rows=k + 1,
+            draft_token_probs=draft[torch.arange(k), ids].tolist(),
+            uniforms=uniforms[:k].tolist(),
+        )
+        response = target_pb2.VerifyResponse()
+        answer_sampled(response, target_logits, params, request)
+        j = response.num_accepted
+        draft_row = rows_from_wire(rows_to_wire(draft_logits[j : j + 1], params), params, vocab)[0] if j < k else None
+        target_row = rows_from_wire(response.row, params, vocab)[0]
+        assert torch.equal(target_row, target[j])  # the same function on the same logits
+        wire = CompactRound(ids.tolist(), j, target_row, draft_row, float(uniforms[k]))
+        alone = verify_sampled(SampledRound(ids, draft, target, uniforms))
+        assert last_tokens([wire]) == [alone]
+        rejections += not alone.all_accepted
+    assert rejections > 10
 
 
 def test_inverse_cdf_sampling_never_picks_a_zero_and_follows_the_row():
@@ -176,16 +223,17 @@ def test_rounds_ready_in_one_turn_are_decided_together_and_a_bad_one_fails_alone
     from orchestrator.sampler import BatchSampler
 
     calls: list[int] = []
-    real = sampler_module.verify_sampled_batch
+    real = sampler_module.last_tokens
 
-    def counted(rounds: list[SampledRound]) -> list[Verdict]:
+    def counted(rounds: list[CompactRound]) -> list[Verdict]:
         calls.append(len(rounds))
         return real(rounds)
 
-    monkeypatch.setattr(sampler_module, "verify_sampled_batch", counted)
+    monkeypatch.setattr(sampler_module, "last_tokens", counted)
     generator = torch.Generator().manual_seed(9)
-    good = [_random_round(generator, k, 11, "peaked") for k in (0, 2, 4)]
-    bad = SampledRound(torch.tensor([3]), torch.ones(1, 5) / 5, torch.ones(2, 11) / 11, draw_uniforms(1, generator))
+    full = [_random_round(generator, k, 11, "peaked") for k in (0, 2, 4)]
+    good = [compact_round(round_) for round_ in full]
+    bad = CompactRound([3], 0, torch.ones(11) / 11, torch.ones(5) / 5, 0.5)  # rows of different widths
 
     async def run() -> list[object]:
         batch = BatchSampler()
@@ -194,6 +242,6 @@ def test_rounds_ready_in_one_turn_are_decided_together_and_a_bad_one_fails_alone
         return [together, mixed]
 
     together, mixed = asyncio.run(run())
-    assert calls == [3, 4]  # one call per turn's rounds
-    assert together == [verify_sampled(round_) for round_ in good]
+    assert calls == [3, 4, 1, 1, 1, 1]  # one call per turn's rounds; the failed batch, round by round
+    assert together == [verify_sampled(round_) for round_ in full]
     assert mixed[:3] == together and isinstance(mixed[3], Exception)  # type: ignore[index]

@@ -60,6 +60,39 @@ def test_killed_target_replica_mid_generation_output_unchanged(target_model, clo
             replica.stop()
 
 
+def test_killed_target_replica_mid_sampled_generation_keeps_the_seeds_output(target_model, close_draft_server):
+    """The round's uniforms are drawn before its step is sent, and the target's answer is a function of
+    the step alone: a step resent to another replica after a failover decides as the first would have,
+    so the seed still gives its output."""
+    replicas = [start_target(target_model), start_target(target_model)]
+    addresses = ",".join(f"{LOOPBACK}:{r.port}" for r in replicas)
+    orchestrator = OrchestratorThread(orchestrator_config(addresses, close_draft_server))
+    try:
+        request = _request(
+            [8, 6, 7, 5, 3, 0, 9],
+            120,
+            num_speculative_tokens=3,
+            speculation_policy=orchestrator_pb2.SPECULATION_POLICY_FIXED,
+            temperature=1.0,
+            seed=11,
+        )
+        expected, _, _ = collect(orchestrator.stub, request)
+        call = orchestrator.stub.Generate(request)
+        ids = list(next(call).token_ids)
+        pinned = next(r for r in replicas if r.servicer.store.open_sessions == 1)
+        pinned.stop()
+        last = None
+        for message in call:
+            ids += message.token_ids
+            last = message
+        assert ids == expected
+        assert last is not None and last.stats.session_reopens >= 1 and last.stats.draft_tokens > 0
+    finally:
+        orchestrator.stop()
+        for replica in replicas:
+            replica.stop()
+
+
 def test_dns_name_resolves_to_replicas(target_model, target_server):
     orchestrator = OrchestratorThread(orchestrator_config(f"dns:///localhost:{target_server.port}"))
     try:

@@ -3,9 +3,9 @@
 A tiny-vocabulary target makes the distribution of the first three tokens computable exactly
 (vocab^3 outcomes). The orchestrator's real Generation loop runs 20,000 times per setting against
 stand-ins for the two services that answer from the tiny models' own logits (computed once per
-prefix) through the same code the services run: the draft's `choose_token`, the shared
-`logits_to_probs`, and the wire encoding of rows. A smaller test below drives the real services
-over gRPC.
+prefix) through the same code the services run: the draft's `choose_token`, the target's
+`answer_sampled` (its first rejection and its row), and the wire form of logit rows. A smaller test
+below drives the real services over gRPC.
 """
 
 from __future__ import annotations
@@ -17,19 +17,20 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import torch
 from scipy import stats
 
 from draft_service.servicer import choose_token
-from model_host.logits import logits_to_probs
 from orchestrator.generation import DraftAvailability, Generation, GenerationRequest, ModelLimits
 from orchestrator.k_policy import FixedK
 from orchestrator.upstream import Stepped, reusable_prefix
+from serving.logits import logits_to_probs, rows_to_wire
 from serving.sampling import SamplingParams, seeded_generator
-from serving.tensors import encode_prob_rows
 from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2, target_pb2
+from target_service.servicer import answer_sampled
 from tests.conftest import collect
 from tests.tiny_models import perturbed_copy, tiny_llama
 
@@ -53,9 +54,8 @@ class LogitsTable(dict[tuple[int, ...], torch.Tensor]):
     def __init__(self, model: torch.nn.Module, max_extra: int) -> None:
         super().__init__()
         self.model = model
-        # (prefix, rows, sampling) -> the target's answer: a step's answer depends on nothing else, and
-        # tens of thousands of generations ask the same few hundred
-        self.verify_responses: dict[tuple[tuple[int, ...], int, bytes], target_pb2.VerifyResponse] = {}
+        # (prefix, rows) -> the block's logits: tens of thousands of generations ask the same few hundred
+        self.blocks: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
         with torch.no_grad():
             for extra in range(max_extra + 1):
                 continuations = list(itertools.product(range(VOCAB), repeat=extra))
@@ -93,23 +93,36 @@ class TableTarget:
     ) -> Stepped[target_pb2.VerifyResponse]:
         request = self._request(context, build, min_append)
         self.seen = list(context)
-        key = (tuple(self.seen), request.num_rows, request.sampling.SerializeToString(deterministic=True))
-        if key not in self.logits.verify_responses:
+        key = (tuple(self.seen), request.num_rows)
+        if key not in self.logits.blocks:
             first = len(self.seen) - request.num_rows + 1
-            rows = torch.stack([self.logits[tuple(self.seen[: first + i])] for i in range(request.num_rows)])
-            probs = logits_to_probs(rows, SamplingParams.from_proto(request.sampling))
-            response = target_pb2.VerifyResponse(
-                result=common_pb2.SESSION_RESULT_OK, target_probs=encode_prob_rows(probs)
+            self.logits.blocks[key] = torch.stack(
+                [self.logits[tuple(self.seen[: first + i])] for i in range(request.num_rows)]
             )
-            self.logits.verify_responses[key] = response
-        return Stepped(self.logits.verify_responses[key], self.last_fed)
+        response = target_pb2.VerifyResponse(result=common_pb2.SESSION_RESULT_OK)
+        answer_sampled(response, self.logits.blocks[key], SamplingParams.from_proto(request.sampling), request)
+        return Stepped(response, self.last_fed)
 
     def close(self) -> None:
         pass
 
 
 class TableDraft(TableTarget):
-    """A draft session drafting with the draft service's own `choose_token` and seeding."""
+    """A draft session drafting with the draft service's own `choose_token` and seeding, holding each
+    step's logit rows for the orchestrator's row fetch."""
+
+    where = "table"
+
+    def reachable(self, where: object) -> bool:
+        return True
+
+    def __init__(self, logits: LogitsTable) -> None:
+        super().__init__(logits)
+        self.rows: dict[int, tuple[SamplingParams, torch.Tensor]] = {}  # step number -> its rows
+
+    async def fetch(self, where: object, fetch: draft_pb2.RowFetch) -> draft_pb2.FetchedRow:
+        params, rows = self.rows[fetch.step_number]
+        return draft_pb2.FetchedRow(held=True, row=rows_to_wire(rows[fetch.index : fetch.index + 1], params))
 
     async def step(  # type: ignore[override]
         self, context: list[int], build: Callable[[int], Any], min_append: int = 1, fed_beyond: Any = None
@@ -118,17 +131,28 @@ class TableDraft(TableTarget):
         sequence = list(context)
         params = SamplingParams.from_proto(request.sampling)
         generator = seeded_generator(request.seed)
+        if request.num_speculative_tokens == 0:  # a row recomputed after a fetch missed
+            self.seen = sequence
+            row = rows_to_wire(self.logits[tuple(sequence)][None], params)
+            return Stepped(draft_pb2.DraftResponse(result=common_pb2.SESSION_RESULT_OK, row=row), self.last_fed)
         tokens: list[int] = []
+        token_probs: list[float] = []
         rows: list[torch.Tensor] = []
         for _ in range(request.num_speculative_tokens):
             token, probs, _ = choose_token(self.logits[tuple(sequence)], params, generator, False)
             assert probs is not None
             tokens.append(token)
-            rows.append(probs)
+            token_probs.append(float(probs[token]))
+            rows.append(self.logits[tuple(sequence)])
             sequence.append(token)
         self.seen = sequence[:-1]
-        response = draft_pb2.DraftResponse(result=common_pb2.SESSION_RESULT_OK, draft_token_ids=tokens)
-        response.draft_probs.CopyFrom(encode_prob_rows(torch.stack(rows)))
+        self.rows[len(self.rows) + 1] = (params, torch.stack(rows))
+        response = draft_pb2.DraftResponse(
+            result=common_pb2.SESSION_RESULT_OK,
+            draft_token_ids=tokens,
+            draft_token_probs=token_probs,
+            step_number=len(self.rows),
+        )
         return Stepped(response, self.last_fed)
 
 
@@ -192,6 +216,7 @@ async def _sample_many(
     prompt: list[int] = PROMPT,
     draft_method: str = "model",
     beside_prefill: bool = False,
+    draft_type: type[TableDraft] = TableDraft,
 ) -> tuple[Counter, float]:
     """Run the real Generation loop `samples` times; counts of the first NEW_TOKENS tokens.
 
@@ -220,7 +245,7 @@ async def _sample_many(
             request,
             limits,
             TableTarget(target_logits),  # type: ignore[arg-type]
-            TableDraft(draft_logits) if draft_method != "ngram" else None,  # type: ignore[arg-type]
+            draft_type(draft_logits) if draft_method != "ngram" else None,  # type: ignore[arg-type]
             DraftAvailability(1.0),
             FixedKBesidePrefill(k, k) if beside_prefill else FixedK(k, k),
             lookup_policy=FixedK(k, k) if draft_method != "model" else None,
@@ -338,6 +363,96 @@ def test_prompt_lookup_proposals_keep_the_target_distribution(tables):
     assert pvalue > 0.01, pvalue
 
 
+class ForgetfulDraft(TableDraft):
+    """A draft that never holds a row when asked (its session lost them): every rejection recomputes."""
+
+    recomputed = 0
+
+    async def fetch(self, where: object, fetch: draft_pb2.RowFetch) -> draft_pb2.FetchedRow:
+        ForgetfulDraft.recomputed += 1
+        return draft_pb2.FetchedRow(held=False)
+
+
+class VanishingDraft(TableDraft):
+    """A draft whose replica is gone at every other target answer: those rounds are redone by the target
+    alone, decided before their verdicts are read."""
+
+    asked = 0
+
+    def reachable(self, where: object) -> bool:
+        VanishingDraft.asked += 1
+        return VanishingDraft.asked % 2 == 0
+
+
+def test_a_row_the_draft_no_longer_holds_is_recomputed_to_the_same_outputs(tables, close_table):
+    """Recomputing the draft's row at a rejection gives the row it was fetched as: the same seeds give
+    the same outputs whichever way the rows came."""
+    params, samples = SamplingParams(temperature=1.0), 300
+    fetched, _ = asyncio.run(_sample_many((tables[0], close_table), params, 3, samples, overlap=True))
+    recomputed, _ = asyncio.run(
+        _sample_many((tables[0], close_table), params, 3, samples, overlap=True, draft_type=ForgetfulDraft)
+    )
+    assert ForgetfulDraft.recomputed > 50
+    assert recomputed == fetched
+
+
+@pytest.mark.slow
+def test_rounds_redone_without_the_draft_keep_the_target_distribution(tables, close_table):
+    params = SamplingParams(temperature=1.0)
+    counts, _ = asyncio.run(
+        _sample_many((tables[0], close_table), params, 2, SAMPLES, overlap=True, draft_type=VanishingDraft)
+    )
+    assert VanishingDraft.asked > SAMPLES
+    pvalue = chi_square_pvalue(counts, exact_distribution(tables[0], params), SAMPLES)
+    assert pvalue > 0.01, pvalue
+
+
+class MisjudgingTarget(TableTarget):
+    """A target replica whose first rejection is not the acceptance function's (a bug, or a faulty
+    replica): one position later than the truth whenever that is possible."""
+
+    resets = 0
+
+    async def step(self, *args: Any, **kwargs: Any) -> Stepped[target_pb2.VerifyResponse]:  # type: ignore[override]
+        stepped = await super().step(*args, **kwargs)
+        response = target_pb2.VerifyResponse()
+        response.CopyFrom(stepped.response)
+        if response.num_accepted < len(response.draft_token_target_probs):
+            response.num_accepted += 1
+        return Stepped(response, stepped.fed)
+
+    def reset(self) -> None:
+        MisjudgingTarget.resets += 1
+
+
+def test_a_target_whose_first_rejection_differs_fails_the_request_as_internal(tables, close_table):
+    from serving.errors import ServiceError
+
+    limits = ModelLimits(vocab_size=VOCAB, target_max_context=64, draft_max_context=64, eos_token_ids=frozenset())
+    failures = 0
+    for seed in range(20):
+        request = GenerationRequest("t", PROMPT, 6, SamplingParams(temperature=1.0), seed, 3, False, 0.0)
+        generation = Generation(
+            request,
+            limits,
+            MisjudgingTarget(tables[0]),  # type: ignore[arg-type]
+            TableDraft(close_table),  # type: ignore[arg-type]
+            DraftAvailability(1.0),
+            FixedK(3, 3),
+        )
+
+        async def run(generation: Generation = generation) -> None:
+            async for _ in generation.rounds():
+                pass
+
+        try:
+            asyncio.run(run())
+        except ServiceError as exc:
+            assert exc.code == grpc.StatusCode.INTERNAL and "first rejection" in exc.message
+            failures += 1
+    assert failures > 10 and MisjudgingTarget.resets == failures  # the replica is avoided each time
+
+
 def test_the_check_detects_a_wrong_distribution(tables):
     """Power check: the draft's own distribution is told apart from the target's by the same test."""
     params = SamplingParams(temperature=1.0)
@@ -365,6 +480,30 @@ def test_same_seed_same_output_over_grpc(orchestrators):
     other, _, _ = collect(stub, request)
     assert first == second
     assert first != other
+
+
+def test_a_sampled_round_moves_at_most_two_rows(orchestrators, target_model):
+    """Of a sampled round's rows only two travel: the target's at the first rejection (or the bonus
+    row), and the draft's there, fetched on a rejection; none of the block drafted ahead under overlap.
+    A greedy round still moves ids alone."""
+    row_bytes = 4 * target_model.vocab_size  # float32 logits
+    request = orchestrator_pb2.GenerateRequest(
+        token_ids=orchestrator_pb2.TokenIds(ids=[5, 6, 7]),
+        max_new_tokens=40,
+        temperature=1.0,
+        seed=3,
+        num_speculative_tokens=4,
+        speculation_policy=orchestrator_pb2.SPECULATION_POLICY_FIXED,
+        overlap_drafting=True,
+    )
+    _, _, last = collect(orchestrators["close"].stub, request)
+    stats = last.stats
+    assert stats.draft_tokens > stats.accepted_tokens > 0 and stats.overlapped_rounds > 0
+    # Dense rows were 2K + 1 of them, and K + 1 more drafted ahead: over 9 rows a round at K = 4.
+    assert stats.wire_bytes < stats.rounds * (2 * row_bytes + 1024), stats.wire_bytes / stats.rounds / row_bytes
+    request.temperature = 0.0
+    _, _, greedy = collect(orchestrators["close"].stub, request)
+    assert greedy.stats.wire_bytes < greedy.stats.rounds * 1024
 
 
 @pytest.mark.parametrize("concurrency", [1, 8, 64])

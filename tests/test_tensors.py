@@ -1,13 +1,13 @@
-"""Rows on the wire: bytes with dtype and shape; sparse rows decode to the same values exactly."""
+"""Rows on the wire: bytes with dtype and shape; logit rows decode to the sender's own distributions."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from model_host.logits import logits_to_probs
+from serving.logits import logits_to_probs, rows_from_wire, rows_to_wire
 from serving.sampling import SamplingParams
-from serving.tensors import WireFormatError, decode_prob_rows, encode_prob_rows, tensor_from_proto, tensor_to_proto
+from serving.tensors import WireFormatError, tensor_from_proto, tensor_to_proto
 from specdec.v1 import common_pb2
 
 
@@ -25,25 +25,51 @@ def test_wrong_byte_count_is_rejected():
         tensor_from_proto(message)
 
 
-def test_dense_rows_stay_dense():
-    probs = torch.softmax(torch.randn(3, 50), -1)
-    message = encode_prob_rows(probs)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_rows_travel_as_logits_in_the_models_dtype(dtype: torch.dtype):
+    params = SamplingParams(temperature=0.9)
+    logits = (torch.randn(3, 50) * 4).to(dtype)
+    message = rows_to_wire(logits, params)
     assert not message.HasField("token_ids")
-    assert torch.equal(decode_prob_rows(message, 50), probs)
+    assert tensor_from_proto(message.logits).dtype == dtype
+    assert torch.equal(rows_from_wire(message, params, 50), logits_to_probs(logits, params))
 
 
-def test_top_k_rows_travel_sparse_and_decode_exactly():
-    probs = logits_to_probs(torch.randn(5, 1000), SamplingParams(temperature=0.8, top_k=20))
-    message = encode_prob_rows(probs)
+def test_top_k_rows_travel_over_the_senders_support_and_decode_exactly():
+    params = SamplingParams(temperature=0.8, top_k=20)
+    logits = torch.randn(5, 1000)
+    message = rows_to_wire(logits, params)
     assert message.HasField("token_ids")
-    assert list(message.probs.shape) == [5, 20]
-    assert torch.equal(decode_prob_rows(message, 1000), probs)
-    assert message.ByteSize() < tensor_to_proto(probs).ByteSize() / 10
+    assert list(message.logits.shape) == [5, 20]
+    assert torch.equal(rows_from_wire(message, params, 1000), logits_to_probs(logits, params))
+    assert message.ByteSize() < tensor_to_proto(logits).ByteSize() / 10
 
 
-def test_sparse_ids_out_of_range_are_rejected():
-    message = common_pb2.ProbRows(
-        probs=tensor_to_proto(torch.ones(1, 1)), token_ids=tensor_to_proto(torch.tensor([[7]], dtype=torch.int32))
-    )
-    with pytest.raises(WireFormatError):
-        decode_prob_rows(message, 5)
+def test_a_wide_top_p_support_travels_dense_with_the_rest_masked():
+    """A support over half the vocabulary travels dense; tokens outside it arrive as -inf, so the
+    receiver, which never ranks tokens itself, gives them probability 0."""
+    params = SamplingParams(temperature=1.0, top_p=0.7)  # near-flat rows: about 28 of 40 tokens
+    logits = torch.randn(2, 40) * 0.1
+    message = rows_to_wire(logits, params)
+    sent = tensor_from_proto(message.logits)
+    assert not message.HasField("token_ids") and bool(torch.isneginf(sent).any())
+    assert torch.equal(rows_from_wire(message, params, 40), logits_to_probs(logits, params))
+
+
+@pytest.mark.parametrize(
+    ("logits", "token_ids", "complaint"),
+    [
+        ([[1.0]], [[7]], "token ids"),
+        ([[float("nan"), 0.0]], None, "NaN"),
+        ([[float("inf"), 0.0]], None, "NaN or \\+inf"),
+        ([[float("-inf"), float("-inf")]], None, "no token"),
+        ([[0.0, 1.0, 2.0]], None, "width"),
+    ],
+)
+def test_rows_no_model_could_send_are_refused(logits, token_ids, complaint):
+    message = common_pb2.LogitRows(logits=tensor_to_proto(torch.tensor(logits)))
+    if token_ids is not None:
+        message.token_ids.CopyFrom(tensor_to_proto(torch.tensor(token_ids, dtype=torch.int32)))
+    vocab = 5 if token_ids is not None else 2
+    with pytest.raises(WireFormatError, match=complaint):
+        rows_from_wire(message, SamplingParams(temperature=1.0), vocab)

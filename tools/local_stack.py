@@ -29,6 +29,7 @@ import default_models
 from serving.cpus import available_cpus
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from tools.client import generate, summary
+from tools.netns import Hosts
 
 LOOPBACK = "127.0.0.1"
 # The default model pair, shipped with the package (default_models/pair).
@@ -102,6 +103,7 @@ class LocalStack:
     cpus: dict[str, set[int]] = field(default_factory=dict)  # cores to pin a process to, by name
     with_metrics: bool = False  # give each process a Prometheus port (metrics_ports, by name)
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    hosts: Hosts | None = None  # the model services' namespaces, behind links (tools/netns.py); None: loopback
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         if self.with_metrics:
@@ -112,7 +114,10 @@ class LocalStack:
             out = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
             self._logs.append(out)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        process = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=out, env=env)
+        argv = [sys.executable, "-m", *args]
+        if self.hosts is not None and name in self.hosts.hosts:
+            argv = self.hosts.command(name, argv)  # `ip netns exec` execs the command: the pid stays
+        process = subprocess.Popen(argv, stdout=out, stderr=out, env=env)
         self.processes.append(process)
         self.pids[name] = process.pid
         if name in self.cpus:  # before it starts its threads, which inherit the affinity
@@ -133,17 +138,17 @@ class LocalStack:
         if self.log_dir:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
-            target_port = free_port()
-            self.target_address = f"{LOOPBACK}:{target_port}"
+            host, target_port = self._place("target")
+            self.target_address = f"{host}:{target_port}"
             target = self._spawn(
-                "target", service_command("target", self.target_model, LOOPBACK, target_port, *self._service_args())
+                "target", service_command("target", self.target_model, host, target_port, *self._service_args())
             )
             waits = [(self.target_address, target)]
             if self.draft_model:
-                draft_port = free_port()
-                self.draft_address = f"{LOOPBACK}:{draft_port}"
+                host, draft_port = self._place("draft")
+                self.draft_address = f"{host}:{draft_port}"
                 draft = self._spawn(
-                    "draft", service_command("draft", self.draft_model, LOOPBACK, draft_port, *self._service_args())
+                    "draft", service_command("draft", self.draft_model, host, draft_port, *self._service_args())
                 )
                 waits.append((self.draft_address, draft))
             for address, process in waits:
@@ -161,6 +166,12 @@ class LocalStack:
             self.stop()
             raise
         return self
+
+    def _place(self, role: str) -> tuple[str, int]:
+        """Where a model service listens: its namespace's address (a port of its own there), or loopback."""
+        if self.hosts is not None and role in self.hosts.hosts:
+            return self.hosts.hosts[role].address, 50051
+        return LOOPBACK, free_port()
 
     def stop(self) -> None:
         """SIGTERM every process by pid (they drain), then SIGKILL whatever is left."""
