@@ -10,7 +10,7 @@ PAIR ?= default_models/pair
 PROMPT ?= def fibonacci(n):
 HOST ?= 127.0.0.1
 
-.PHONY: setup proto lint test test-long matrix run bench load-bench gpu-bench soak wheel image python-base image-test models evaluate clean
+.PHONY: setup proto lint test test-long matrix run bench load-bench link-bench gpu-bench soak wheel image python-base image-test models evaluate clean
 
 setup: $(INSTALLED) $(GENERATED)
 
@@ -65,6 +65,10 @@ load-bench: setup
 	$(PY) -m bench --concurrency 1,8,32,64 --prompts 32 --max-new-tokens 64
 	$(PY) -m bench --pair null --placement pinned --concurrency 1,8,32,64 --prompts 32 --max-new-tokens 64 --reps 5 \
 	  --only "target alone (K = 0),specdec fixed K = 4,HF generate() padded batch"
+
+# Sampled generation across rate-limited links (network namespaces, tbf; needs root), big-vocabulary pair.
+link-bench: setup
+	$(PY) -m bench.link --rates 1gbit,10gbit --concurrency 1,8 --reps 3
 
 # On a GPU host, after installing the CUDA build of torch into $(VENV): random-weight 1B target and 100M
 # drafts built on the device, C = 1, 8, 32 (bench/gpu.py).

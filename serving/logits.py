@@ -76,11 +76,6 @@ def rows_from_wire(message: common_pb2.LogitRows, params: SamplingParams, vocab_
     logits = tensor_from_proto(message.logits)
     if logits.dim() != 2 or not logits.is_floating_point():
         raise WireFormatError(f"logit rows must be 2-D floats, got {logits.dtype} of shape {list(logits.shape)}")
-    finite = torch.isfinite(logits)
-    if bool((~finite & ~torch.isneginf(logits)).any()):
-        raise WireFormatError("logit rows hold NaN or +inf")
-    if logits.shape[0] and not bool(finite.any(dim=-1).all()):
-        raise WireFormatError("a logit row has no token in its support")
     scores = torch.full((logits.shape[0], vocab_size), float("-inf"))
     if not message.HasField("token_ids"):
         if logits.shape[1] != vocab_size:
@@ -93,7 +88,12 @@ def rows_from_wire(message: common_pb2.LogitRows, params: SamplingParams, vocab_
         if token_ids.numel() and (token_ids.min() < 0 or token_ids.max() >= vocab_size):
             raise WireFormatError(f"sparse row token ids must be in [0, {vocab_size})")
         scores.scatter_(1, token_ids, logits.float() / params.temperature)
-    return _softmax(scores)
+    probs = _softmax(scores)
+    # One pass for every row no model sends: NaN or +inf anywhere, or no token in the support (all -inf),
+    # makes its softmax NaN.
+    if not bool(torch.isfinite(probs).all()):
+        raise WireFormatError("logit rows hold NaN or +inf, or a row has no token in its support")
+    return probs
 
 
 def first_rejection(

@@ -63,6 +63,7 @@ def test_a_wide_top_p_support_travels_dense_with_the_rest_masked():
         ([[float("nan"), 0.0]], None, "NaN"),
         ([[float("inf"), 0.0]], None, "NaN or \\+inf"),
         ([[float("-inf"), float("-inf")]], None, "no token"),
+        ([[1.0, 2.0], [float("-inf"), float("-inf")]], None, "no token"),
         ([[0.0, 1.0, 2.0]], None, "width"),
     ],
 )
