@@ -63,23 +63,21 @@ class Link:
 
     def step(self, session: int, request: Any) -> asyncio.Future[Any]:
         """Send one session's step; the future resolves to its result (response or error)."""
-        if self.lost is not None:
-            raise self.lost
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        self._waiting[session] = (future, loop.time())
-        self._entries.append(self._messages.step(session=session, step=request))
-        self._wake.set()
-        return future
+        return self._send(self._waiting, session, step=request)
 
     def fetch(self, session: int, fetch: Any) -> asyncio.Future[Any]:
         """Send a draft session's row fetch, beside its step under way; the future resolves to its result."""
+        return self._send(self._fetching, session, fetch=fetch)
+
+    def _send(
+        self, waiting: dict[int, tuple[asyncio.Future[Any], float]], session: int, **entry: Any
+    ) -> asyncio.Future[Any]:
         if self.lost is not None:
             raise self.lost
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        self._fetching[session] = (future, loop.time())
-        self._entries.append(self._messages.step(session=session, fetch=fetch))
+        waiting[session] = (future, loop.time())
+        self._entries.append(self._messages.step(session=session, **entry))
         self._wake.set()
         return future
 

@@ -96,7 +96,7 @@ def test_bfloat16_sampling_follows_the_targets_own_bfloat16_rows(tiny_pair):
     from collections import Counter
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.test_sampling_exactness import chi_square_pvalue
+    from tests.test_sampling_exactness import chi_square_pvalue, first_token_request
 
     target_bf16 = load_model(str(tiny_pair.target), "cpu", "bfloat16")
     target = start_target(target_bf16)
@@ -106,14 +106,7 @@ def test_bfloat16_sampling_follows_the_targets_own_bfloat16_rows(tiny_pair):
     try:
 
         def first_token(seed: int) -> tuple[int, int]:
-            request = orchestrator_pb2.GenerateRequest(
-                token_ids=orchestrator_pb2.TokenIds(ids=prompt),
-                max_new_tokens=2,
-                temperature=1.0,
-                seed=seed,
-                num_speculative_tokens=1,
-                speculation_policy=orchestrator_pb2.SPECULATION_POLICY_FIXED,
-            )
+            request = first_token_request(prompt, seed, speculation_policy=orchestrator_pb2.SPECULATION_POLICY_FIXED)
             ids, _, last = collect(orchestrator.stub, request)
             return ids[0], last.stats.draft_tokens - last.stats.accepted_tokens
 

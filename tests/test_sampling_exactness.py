@@ -506,6 +506,18 @@ def test_a_sampled_round_moves_at_most_two_rows(orchestrators, target_model):
     assert greedy.stats.wire_bytes < greedy.stats.rounds * 1024
 
 
+def first_token_request(prompt: list[int], seed: int, **fields: Any) -> orchestrator_pb2.GenerateRequest:
+    """A sampled request whose first token is the one the test counts (its first round drafts 1 token)."""
+    return orchestrator_pb2.GenerateRequest(
+        token_ids=orchestrator_pb2.TokenIds(ids=prompt),
+        max_new_tokens=2,
+        temperature=1.0,
+        seed=seed,
+        num_speculative_tokens=1,
+        **fields,
+    )
+
+
 @pytest.mark.parametrize("concurrency", [1, 8, 64])
 def test_real_services_first_token_distribution(orchestrators, target_model, concurrency):
     """Through real gRPC services, one client, 8 and 64 at a time (batched over one link per service;
@@ -516,14 +528,7 @@ def test_real_services_first_token_distribution(orchestrators, target_model, con
     stub = orchestrators["random"].stub
 
     def first_token(seed: int) -> int:
-        request = orchestrator_pb2.GenerateRequest(
-            token_ids=orchestrator_pb2.TokenIds(ids=prompt),
-            max_new_tokens=2,
-            temperature=1.0,
-            seed=seed,
-            num_speculative_tokens=1,
-        )
-        return collect(stub, request)[0][0]
+        return collect(stub, first_token_request(prompt, seed))[0][0]
 
     with ThreadPoolExecutor(concurrency) as pool:
         counts: Counter[int] = Counter(pool.map(first_token, range(samples)))
