@@ -24,7 +24,7 @@ from model_host.loading import LoadedModel
 from model_host.session_servicer import SessionServicer
 from model_host.sessions import Session
 from serving.errors import invalid_argument
-from serving.logits import logits_to_probs, rows_to_wire
+from serving.logits import logits_to_probs, rows_to_wire, sample_index
 from serving.sampling import SamplingParams, seeded_generator
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -47,7 +47,10 @@ def choose_token(
         confidence = float(logits.float().softmax(-1)[token]) if need_confidence else 1.0
         return token, None, confidence
     probs = logits_to_probs(logits[None], params)[0]  # [vocab]
-    token = int(torch.multinomial(probs, 1, generator=generator))
+    # Inverse CDF: torch.multinomial costs 4.8 ms a token over 128k tokens on one core (this sampling
+    # costs 0.3 ms), which was most of a sampled draft's time per token at Llama 3's vocabulary.
+    uniform = torch.rand(1, generator=generator, dtype=torch.float64, device=generator.device)
+    token = int(sample_index(probs, uniform))
     return token, probs, float(probs[token])
 
 

@@ -20,7 +20,7 @@ import torch
 
 from orchestrator.goodput import StepTimes
 from orchestrator.k_policy import KPolicy
-from orchestrator.metrics import CHOSEN_K
+from orchestrator.metrics import CHOSEN_K, DRAFT_ROWS, TARGET_DISAGREEMENTS
 from orchestrator.ngram import NgramIndex
 from orchestrator.proposals import MODEL, NGRAM, NO_DRAFT, Draft, RowsAt, Stats, point_masses
 from orchestrator.rejection import CompactRound, Verdict, acceptance_probability, draw_uniforms, verify_greedy
@@ -109,6 +109,10 @@ def is_draft_fault(exc: BaseException) -> bool:
     if isinstance(exc, ServiceError):
         return exc.code in _DRAFT_FAULTS
     return isinstance(exc, TimeoutError | WireFormatError)
+
+
+class TargetDisagreement(ValueError):
+    """The target found a sampled round's first rejection elsewhere than the acceptance function does."""
 
 
 DraftStream = SessionStream[draft_pb2.DraftRequest, draft_pb2.DraftResponse]
@@ -447,12 +451,15 @@ class Generation:
             # The draft replica holding the block's rows is gone. Decided before the verdict is read, so
             # that dropping the round cannot favour any outcome: the target decides the round alone.
             log.info("round_redone_without_draft", request_id=self.request.request_id)
+            DRAFT_ROWS.labels("redone").inc()
             return await self._verify(NO_DRAFT, None)
         try:
             num_accepted, target_row = self._check_sampled(draft, response, uniforms)
         except (WireFormatError, ValueError) as exc:
             self.target.reset()  # the replica is avoided for a while
             log.error("target_rows_refused", request_id=self.request.request_id, error=str(exc))
+            if isinstance(exc, TargetDisagreement):
+                TARGET_DISAGREEMENTS.inc()
             raise ServiceError(grpc.StatusCode.INTERNAL, f"the target replica sent unusable rows: {exc}") from exc
         draft_row = None
         if num_accepted < k:
@@ -480,7 +487,7 @@ class Generation:
             uniforms,
         )
         if num_accepted != response.num_accepted:
-            raise ValueError(
+            raise TargetDisagreement(
                 f"the target found the first rejection at {response.num_accepted}, the orchestrator at {num_accepted}"
             )
         row = rows_from_wire(response.row, self.request.sampling, self.limits.vocab_size)  # [1, vocab]
@@ -503,14 +510,17 @@ class Generation:
         fetched = await self.draft.fetch(rows_at.session, fetch)
         try:
             if fetched is not None and fetched.held:
+                DRAFT_ROWS.labels("fetched").inc()
                 return self._draft_row_from(fetched.row)
             log.info("draft_row_recomputed", request_id=self.request.request_id)
+            DRAFT_ROWS.labels("recomputed").inc()
             if side is not None:  # the session's step beside this one ends first (a rejection made it moot)
                 await asyncio.wait([side])
             context = [*self.sequence, *draft.token_ids[:index]]
             stepped = await self.draft.step(context, lambda keep: self._draft_request(context, keep, 0))
             return self._draft_row_from(stepped.response.row)
         except (ServiceError, TimeoutError, WireFormatError) as exc:
+            DRAFT_ROWS.labels("missing").inc()
             if is_draft_fault(exc):
                 self.availability.failed()
             raise unavailable(

@@ -23,6 +23,15 @@ SESSION_REOPENS = Counter("specdec:session_reopens", "Service sessions reopened 
 DRAFT_FALLBACK_ROUNDS = Counter(
     "specdec:draft_fallback_rounds", "Rounds decoded by the target alone after a draft failure"
 )
+DRAFT_ROWS = Counter(
+    "specdec:draft_rows",
+    "Draft rows a sampled rejection needed, by how they came: fetched, recomputed, missing (the request "
+    "failed), or redone (the draft replica was gone: the round was the target's alone)",
+    ["outcome"],
+)
+TARGET_DISAGREEMENTS = Counter(
+    "specdec:target_disagreements", "Sampled rounds whose first rejection the target found elsewhere (a bug)"
+)
 REQUESTS_RUNNING = Gauge("specdec:num_requests_running", "Generate calls in progress")
 TIME_TO_FIRST_TOKEN = Histogram(
     "specdec:time_to_first_token_seconds", "Time to the first streamed token", buckets=_LATENCY_BUCKETS

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serving.logits import first_rejection
+from serving.logits import first_rejection, sample_index
 
 
 @dataclass(frozen=True)
@@ -65,16 +65,6 @@ def residual_distribution(target_row: torch.Tensor, draft_row: torch.Tensor) -> 
     """
     residual = (target_row - draft_row).clamp_min(0.0)  # [vocab]
     return residual if residual.sum() > 0 else target_row
-
-
-def sample_index(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: per row of `weights` ([..., vocab], non-negative, any total), the token
-    whose cumulative float64 weight first exceeds uniform * total. A token of weight 0 is never chosen
-    (its cumulative weight equals the one before)."""
-    cumulative = weights.double().cumsum(-1)  # [..., vocab]
-    point = uniform * cumulative[..., -1:]  # [..., 1]
-    index = torch.searchsorted(cumulative, point, right=True)
-    return index.clamp_max(weights.shape[-1] - 1)[..., 0]
 
 
 def acceptance_probability(draft_prob: float, target_prob: float) -> float:

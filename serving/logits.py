@@ -56,6 +56,8 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 def rows_to_wire(logits: torch.Tensor, params: SamplingParams) -> common_pb2.LogitRows:
     """Rows for the wire: the raw logits ([rows, vocab], the model's dtype), -inf outside the support,
     and over the support alone when it is under half the vocabulary (a sparse column costs an id too)."""
+    if params.top_k == 0 and params.top_p >= 1.0:  # the whole vocabulary: the logits as they are
+        return common_pb2.LogitRows(logits=tensor_to_proto(logits))
     scores = support_scores(logits, params)
     outside = torch.isneginf(scores)
     raw = logits.masked_fill(outside, float("-inf"))
@@ -76,12 +78,12 @@ def rows_from_wire(message: common_pb2.LogitRows, params: SamplingParams, vocab_
     logits = tensor_from_proto(message.logits)
     if logits.dim() != 2 or not logits.is_floating_point():
         raise WireFormatError(f"logit rows must be 2-D floats, got {logits.dtype} of shape {list(logits.shape)}")
-    scores = torch.full((logits.shape[0], vocab_size), float("-inf"))
     if not message.HasField("token_ids"):
         if logits.shape[1] != vocab_size:
             raise WireFormatError(f"dense rows have width {logits.shape[1]}, vocabulary is {vocab_size}")
         scores = logits.float() / params.temperature
     else:
+        scores = torch.full((logits.shape[0], vocab_size), float("-inf"))
         token_ids = tensor_from_proto(message.token_ids).long()
         if token_ids.shape != logits.shape:
             raise WireFormatError(f"token_ids shape {list(token_ids.shape)} != logits shape {list(logits.shape)}")
@@ -108,3 +110,13 @@ def first_rejection(
     accepted = uniforms[:k] * draft_token_probs.double() < target_token_probs.double()  # [k] bool
     rejected = (~accepted).nonzero()
     return int(rejected[0, 0]) if rejected.numel() else k
+
+
+def sample_index(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: per row of `weights` ([..., vocab], non-negative, any total), the token
+    whose cumulative float64 weight first exceeds uniform * total. A token of weight 0 is never chosen
+    (its cumulative weight equals the one before)."""
+    cumulative = weights.double().cumsum(-1)  # [..., vocab]
+    point = uniform * cumulative[..., -1:]  # [..., 1]
+    index = torch.searchsorted(cumulative, point, right=True)
+    return index.clamp_max(weights.shape[-1] - 1)[..., 0]

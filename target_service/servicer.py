@@ -26,8 +26,8 @@ def answer_sampled(
     """Fill a sampled step's answer from the block's logits ([K + 1, vocab], the model's dtype): p(x) of
     each draft token, the first rejection by the acceptance function the orchestrator applies too, and
     that position's logits (the recovered token's row, or the bonus token's)."""
-    probs = logits_to_probs(logits, params)  # [K + 1, vocab] float32
     k = len(request.draft_token_probs)
+    probs = logits_to_probs(logits[:k], params)  # [K, vocab] float32: the bonus row's travels as logits
     draft_ids = torch.tensor(list(request.append_token_ids)[len(request.append_token_ids) - k :], dtype=torch.long)
     target_token_probs = probs[torch.arange(k), draft_ids.to(probs.device)].cpu()  # [K]
     draft_token_probs = torch.tensor(list(request.draft_token_probs), dtype=torch.float32)

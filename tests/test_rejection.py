@@ -201,7 +201,7 @@ def test_the_wire_material_decides_as_the_full_rows_do(dtype, params):
 
 
 def test_inverse_cdf_sampling_never_picks_a_zero_and_follows_the_row():
-    from orchestrator.rejection import sample_index
+    from serving.logits import sample_index
 
     row = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0])
     uniforms = torch.rand(60_000, 1, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
