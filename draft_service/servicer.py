@@ -47,8 +47,8 @@ def choose_token(
         confidence = float(logits.float().softmax(-1)[token]) if need_confidence else 1.0
         return token, None, confidence
     probs = logits_to_probs(logits[None], params)[0]  # [vocab]
-    # Inverse CDF: torch.multinomial costs 4.8 ms a token over 128k tokens on one core (this sampling
-    # costs 0.3 ms), which was most of a sampled draft's time per token at Llama 3's vocabulary.
+    # Inverse CDF: torch.multinomial costs 4.8 ms a token over 128k tokens on one core (this, 0.7 ms with
+    # the softmax), which was most of a sampled draft's time per token at Llama 3's vocabulary.
     uniform = torch.rand(1, generator=generator, dtype=torch.float64, device=generator.device)
     token = int(sample_index(probs, uniform))
     return token, probs, float(probs[token])
@@ -166,9 +166,12 @@ class DraftServicer(
         _, held = self._rows.get(session.session_id, (0, ())) if session is not None else (0, ())
         for step_number, params, rows in held:
             if step_number == entry.fetch.step_number and entry.fetch.index < rows.shape[0]:
-                result.fetched.held = True
                 index = entry.fetch.index
-                result.fetched.row.CopyFrom(rows_to_wire(rows[index : index + 1], params))
+                try:
+                    result.fetched.row.CopyFrom(rows_to_wire(rows[index : index + 1], params))
+                    result.fetched.held = True
+                except Exception:
+                    log.exception("row_fetch_failed", request_id=session.request_id if session else "")
         return result
 
     def forget(self, session: Session) -> None:

@@ -370,7 +370,7 @@ class Generation:
                 raise WireFormatError(f"draft returned {len(token_ids)} tokens for k = {k}")
             if probs is not None and (len(probs) != len(token_ids) or not all(0.0 < q <= 1.0 for q in probs)):
                 raise WireFormatError(
-                    f"draft returned {len(probs)} probabilities in (0, 1] for {len(token_ids)} tokens"
+                    f"draft returned {len(probs)} probabilities for {len(token_ids)} tokens, or one outside (0, 1]"
                 )
         except (ServiceError, TimeoutError, WireFormatError) as exc:
             fault = is_draft_fault(exc)

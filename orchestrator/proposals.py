@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from orchestrator.rejection import Verdict
+from orchestrator.upstream import Place
 from specdec.v1 import orchestrator_pb2
 
 MODEL = "model"
@@ -91,7 +92,7 @@ class RowsAt:
     """Where the rows of a model block's tokens are held: the draft session (`SessionStream.where`)
     that drafted it, the step's number there, and the step's index of the block's first token."""
 
-    session: object
+    session: Place
     step_number: int
     offset: int = 0
 

@@ -268,19 +268,18 @@ class SessionStream(Generic[RequestT, ResponseT]):
         )
 
     @property
-    def where(self) -> object:
-        """The session's place now (its link and id): a row fetch asks there, and only there."""
-        return (self._link, self._session)
+    def where(self) -> Place:
+        """The session's place now: a row fetch asks there, and only there."""
+        return Place(self._link, self._session)
 
-    def reachable(self, where: object) -> bool:
-        """Whether the link a session was at (`where`) still stands, wherever the session is now."""
-        link = where[0] if isinstance(where, tuple) else None
-        return isinstance(link, Link) and link.lost is None
+    def reachable(self, place: Place) -> bool:
+        """Whether the link a session was at still stands, wherever the session is now."""
+        return place.link is not None and place.link.lost is None
 
-    async def fetch(self, where: object, fetch: Any) -> Any | None:
-        """The FetchedRow answering `fetch` from the session at `where`, or None when it is not that
+    async def fetch(self, place: Place, fetch: Any) -> Any | None:
+        """The FetchedRow answering `fetch` from the session at `place`, or None when it is not that
         session any more (reopened since) or its replica does not answer it (lost, timed out, an error)."""
-        if where != self.where or self._link is None:
+        if place != self.where or self._link is None:
             return None
         try:
             result = await self._link.fetch(self._session, fetch)
@@ -324,6 +323,14 @@ class SessionStream(Generic[RequestT, ResponseT]):
         self._closed = True
         self._drop(failed=False)
         self.replica = None
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a session is: its link (one replica's stream) and its id there."""
+
+    link: Link | None
+    session: int
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from scipy import stats
 from draft_service.servicer import choose_token
 from orchestrator.generation import DraftAvailability, Generation, GenerationRequest, ModelLimits
 from orchestrator.k_policy import FixedK
-from orchestrator.upstream import Stepped, reusable_prefix
+from orchestrator.upstream import Place, Stepped, reusable_prefix
 from serving.logits import logits_to_probs, rows_to_wire
 from serving.sampling import SamplingParams, seeded_generator
 from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2, target_pb2
@@ -111,16 +111,16 @@ class TableDraft(TableTarget):
     """A draft session drafting with the draft service's own `choose_token` and seeding, holding each
     step's logit rows for the orchestrator's row fetch."""
 
-    where = "table"
+    where = Place(None, 0)
 
-    def reachable(self, where: object) -> bool:
+    def reachable(self, place: Place) -> bool:
         return True
 
     def __init__(self, logits: LogitsTable) -> None:
         super().__init__(logits)
         self.rows: dict[int, tuple[SamplingParams, torch.Tensor]] = {}  # step number -> its rows
 
-    async def fetch(self, where: object, fetch: draft_pb2.RowFetch) -> draft_pb2.FetchedRow:
+    async def fetch(self, place: Place, fetch: draft_pb2.RowFetch) -> draft_pb2.FetchedRow:
         params, rows = self.rows[fetch.step_number]
         return draft_pb2.FetchedRow(held=True, row=rows_to_wire(rows[fetch.index : fetch.index + 1], params))
 
@@ -368,7 +368,7 @@ class ForgetfulDraft(TableDraft):
 
     recomputed = 0
 
-    async def fetch(self, where: object, fetch: draft_pb2.RowFetch) -> draft_pb2.FetchedRow:
+    async def fetch(self, place: Place, fetch: draft_pb2.RowFetch) -> draft_pb2.FetchedRow:
         ForgetfulDraft.recomputed += 1
         return draft_pb2.FetchedRow(held=False)
 
@@ -379,7 +379,7 @@ class VanishingDraft(TableDraft):
 
     asked = 0
 
-    def reachable(self, where: object) -> bool:
+    def reachable(self, place: Place) -> bool:
         VanishingDraft.asked += 1
         return VanishingDraft.asked % 2 == 0
 
