@@ -125,7 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--pair",
         type=Path,
         default=Path("default_models/pair"),
-        help="folder with target/ and draft/, or `null`: the near-null pair (bench/null_pair.py)",
+        help="folder with target/ and draft/, `null`: the near-null pair (bench/null_pair.py), or `big-vocab`: "
+        "Llama 3's vocabulary (bench/big_vocab.py)",
     )
     parser.add_argument(
         "--placement",
@@ -163,6 +164,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.null_pair import build_null_pair
 
         args.pair = build_null_pair(args.out / "null_pair")
+    big_vocab = str(args.pair) == "big-vocab"
+    if big_vocab:
+        from bench.big_vocab import build_big_vocab_pair
+
+        args.pair = build_big_vocab_pair(args.out / "big_vocab_pair")
     args.target_model = args.target_model or str(args.pair / "target")
     args.draft_model = args.draft_model or str(args.pair / "draft")
     for path in (args.target_model, args.draft_model):
@@ -174,6 +180,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.draft_model = unrelated_draft(args.draft_model)
 
     prompts = held_out_prompts(args.prompts) if args.prompt_set == "held_out" else edit_prompts(args.prompts)
+    if big_vocab:  # its word-level tokenizer knows no text: prompts of random words
+        from bench.big_vocab import VOCAB
+        from bench.link import random_prompts
+
+        prompts = [" ".join(f"w{i}" for i in ids) for ids in random_prompts(args.prompts, VOCAB)]
     if args.concurrency:
         return run_load(args, prompts)
     configs = default_configs(args.max_k)

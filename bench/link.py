@@ -45,7 +45,7 @@ def _configs(k: int) -> list[LoadConfig]:
     ]
 
 
-def _prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
+def random_prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
     """Random word ids (the big-vocabulary tokenizer has no text to speak of), 16 to 32 tokens each."""
     rng = random.Random(seed)
     return [[rng.randrange(1, vocab) for _ in range(rng.randrange(16, 33))] for _ in range(count)]
@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(pair / "target").vocab_size
-    prompts = _prompts(args.prompts, vocab)
+    prompts = random_prompts(args.prompts, vocab)
     configs = _configs(args.k)
     samples: list[LoadSample] = []
     with (
