@@ -28,7 +28,8 @@ def answer_sampled(
     that position's logits (the recovered token's row, or the bonus token's)."""
     k = len(request.draft_token_probs)
     probs = logits_to_probs(logits[:k], params)  # [K, vocab] float32: the bonus row's travels as logits
-    draft_ids = torch.tensor(list(request.append_token_ids)[len(request.append_token_ids) - k :], dtype=torch.long)
+    ids = request.append_token_ids
+    draft_ids = torch.tensor(ids[len(ids) - k :], dtype=torch.long)  # the last K fed: the draft tokens
     target_token_probs = probs[torch.arange(k), draft_ids.to(probs.device)].cpu()  # [K]
     draft_token_probs = torch.tensor(list(request.draft_token_probs), dtype=torch.float32)
     j = first_rejection(
