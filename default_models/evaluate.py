@@ -31,7 +31,7 @@ from transformers import DynamicCache
 from default_models.corpus import HELD_OUT_MODULES, load_corpus, read_text
 from default_models.prompts import held_out_prompts
 from draft_service.lean import LeanDraft
-from model_host.kv_slots import Row, SlotStore
+from model_host.kv_blocks import BlockStore, Row
 from model_host.loading import LoadedModel, load_model
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from tools.client import generate
@@ -103,7 +103,7 @@ def forward_costs(target: LoadedModel, draft: LoadedModel, repetitions: int = 7)
     """Target (K + 1 = 5 tokens) and draft (1 token) forward times, measured in turn `repetitions` times
     so that a shared machine's drift hits both alike: medians, and the ratio's median and range."""
     # What the draft service runs, when it can.
-    lean = LeanDraft.attach(draft.model, SlotStore(draft.input_device, draft.dtype, draft.max_context))
+    lean = LeanDraft.attach(draft.model, BlockStore(draft.input_device, draft.dtype, draft.max_context))
     target_s, draft_hf_s, draft_s = [], [], []
     for _ in range(repetitions):
         target_s.append(forward_seconds(target, context=128, tokens=5))

@@ -3,7 +3,7 @@
 A small draft runs one token per forward pass, and at that size the cost of a Hugging Face forward is
 mostly framework overhead (module calls, output dataclasses, mask construction), not arithmetic. This
 module computes the same function directly over the model's own weight tensors, for a batch of
-sessions at once over the service's resident slot store (model_host/kv_slots.py, where rollback is
+sessions at once over the service's block store (model_host/kv_blocks.py, where rollback is
 moving a length), with one matrix product for the query, key and value projections (and one for the
 gate and up projections), queries and keys rotated together, and one fused RMSNorm kernel in float32.
 At start-up `LeanDraft.attach` checks it against the model's own forward pass and declines when they
@@ -20,8 +20,8 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
 from model_host.attention import FULL, SLIDING, AttentionLayout
-from model_host.forward import CHECK_ERRORS, Forward, RowLogits, disagreement, split_logits, tolerance
-from model_host.kv_slots import BatchView, Row, SlotStore
+from model_host.forward import CHECK_ERRORS, PagedForward, RowLogits, disagreement, split_logits, tolerance
+from model_host.kv_blocks import BatchView, BlockStore, Row
 
 log = structlog.get_logger(__name__)
 
@@ -47,12 +47,12 @@ def _fuse(*projections: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | N
     return weight, bias
 
 
-class LeanDraft(Forward):
+class LeanDraft(PagedForward):
     """The lean forward over a loaded Llama-family model, batched over sessions."""
 
     name = "lean"
 
-    def __init__(self, model: PreTrainedModel, store: SlotStore) -> None:
+    def __init__(self, model: PreTrainedModel, store: BlockStore) -> None:
         config = model.config
         self.model = model
         self.store = store
@@ -74,7 +74,7 @@ class LeanDraft(Forward):
         self.gate_up = [_fuse(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in self.layers]
 
     @classmethod
-    def attach(cls, model: PreTrainedModel, store: SlotStore, prefill_chunk: int = 512) -> LeanDraft | None:
+    def attach(cls, model: PreTrainedModel, store: BlockStore, prefill_chunk: int = 512) -> LeanDraft | None:
         """A LeanDraft when the architecture is supported and matches the model's own forward (the
         start-up check of model_host/forward.py, past the model's windows where it has them)."""
         config = model.config
@@ -88,7 +88,7 @@ class LeanDraft(Forward):
             return None  # before fusing the model's projections for a forward that will not run
         lean = cls(model, store)
         try:
-            error = disagreement(lean, model, lean.layout, store.max_capacity - 1, prefill_chunk)
+            error = disagreement(lean, model, lean.layout, store.max_context, prefill_chunk)
         except CHECK_ERRORS as exc:
             log.warning("lean_draft_unavailable", reason=f"{type(exc).__name__}: {exc}")
             return None
@@ -146,4 +146,5 @@ class LeanDraft(Forward):
         last = self._rms_norm(hidden[:, -kept:], self.model.model.norm.weight)  # [B, kept, hidden]
         head = self.model.get_output_embeddings()
         logits = F.linear(last, head.weight, getattr(head, "bias", None))  # [B, kept, vocab]
+        view.done()
         return split_logits(logits, rows)

@@ -99,7 +99,7 @@ class DraftServicer(
 
     def make_forward(self) -> Forward:
         if self.config.lean_draft:
-            self.lean = LeanDraft.attach(self.loaded.model, self.slot_store, self.config.prefill_chunk_tokens)
+            self.lean = LeanDraft.attach(self.loaded.model, self.block_store, self.config.prefill_chunk_tokens)
         log.info("draft_forward", lean=self.lean is not None)
         return self.lean or super().make_forward()
 

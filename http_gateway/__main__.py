@@ -7,6 +7,7 @@ import asyncio
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import structlog
@@ -46,6 +47,8 @@ class GatewayConfig:
     read_timeout_s: float = 30.0
     max_connections: int = 0  # 0: half the process's open-file limit
     keep_alive_timeout_s: float = 5.0
+    cache_salt_per_key: bool = False
+    cache_salt_secret_file: str = ""
     log_level: str = "info"
 
 
@@ -68,6 +71,10 @@ _HELP = {
     "read_timeout_s": "seconds a client has to send a request's headers, and then its body (408 or closed beyond)",
     "max_connections": "open connections at most (429 beyond); 0: half the process's open-file limit",
     "keep_alive_timeout_s": "seconds an idle keep-alive connection stays open between requests",
+    "cache_salt_per_key": "keep each API key's cached prefixes apart: every request's cache_salt is an HMAC of its "
+    "key (and of the cache_salt it sent) under --cache-salt-secret-file",
+    "cache_salt_secret_file": "the server secret for --cache-salt-per-key (the same on every gateway replica, so "
+    "that they route alike; never logged)",
     "log_level": "debug, info, warning or error",
 }
 
@@ -80,7 +87,22 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
         parser.error("--orchestrator is required (HOST:PORT of the orchestrator), or set SPECDEC_ORCHESTRATOR")
     if bool(config.tls_cert) != bool(config.tls_key):
         parser.error("--tls-cert and --tls-key go together")
+    if config.cache_salt_per_key and not config.cache_salt_secret_file:
+        parser.error("--cache-salt-per-key needs --cache-salt-secret-file: a file holding the server's secret")
     return config
+
+
+def read_salt_secret(path: str) -> bytes | None:
+    """The secret of --cache-salt-secret-file (None without one); an empty or unreadable file stops start-up."""
+    if not path:
+        return None
+    try:
+        secret = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise SystemExit(f"http_gateway: --cache-salt-secret-file {path}: {exc.strerror}") from exc
+    if len(secret) < 16:
+        raise SystemExit(f"http_gateway: --cache-salt-secret-file {path} must hold a secret of at least 16 bytes")
+    return secret
 
 
 _MAX_RECONNECT_BACKOFF_MS = 1000
@@ -130,8 +152,9 @@ def server_config(config: GatewayConfig, upstream: Upstream) -> uvicorn.Config:
         max_body_bytes=config.max_body_bytes or default_max_body_bytes(upstream.info.target.max_context),
         read_timeout_s=config.read_timeout_s,
     )
+    secret = read_salt_secret(config.cache_salt_secret_file) if config.cache_salt_per_key else None
     return uvicorn.Config(
-        RequestBounds(create_app(upstream, limits, keys), MAX_HEADER_BYTES, limits.max_body_bytes),
+        RequestBounds(create_app(upstream, limits, keys, secret), MAX_HEADER_BYTES, limits.max_body_bytes),
         host=config.host,
         port=config.port,
         ssl_certfile=config.tls_cert or None,

@@ -35,6 +35,7 @@ from http_gateway.openai_api import (
     ApiError,
     Parsed,
     build_request,
+    cache_salt,
     check_fields,
     completion_prompt,
     envelope,
@@ -105,9 +106,13 @@ class Generation:
     request_id: str = ""
 
 
-def create_app(upstream: Upstream, limits: RequestLimits, api_keys: ApiKeys | None = None) -> FastAPI:
+def create_app(
+    upstream: Upstream, limits: RequestLimits, api_keys: ApiKeys | None = None, salt_secret: bytes | None = None
+) -> FastAPI:
     """The gateway's FastAPI app over a connected orchestrator. The interactive docs and the OpenAPI
-    schema are not served: they would be the one unauthenticated description of the API."""
+    schema are not served: they would be the one unauthenticated description of the API.
+
+    With `salt_secret` (--cache-salt-per-key), every request's cache salt is derived from its API key."""
     app = FastAPI(
         title="specdec OpenAI-compatible gateway",
         docs_url=None,
@@ -202,7 +207,7 @@ def create_app(upstream: Upstream, limits: RequestLimits, api_keys: ApiKeys | No
             choice["message"] = {"role": "assistant", "content": gathered.text}
         else:
             choice.update(text=gathered.text, logprobs=None)
-        body.update(choices=[choice], usage=usage(stats.prompt_tokens, stats.output_tokens))
+        body.update(choices=[choice], usage=usage(stats))
         body["specdec"] = stats_extension(stats)
         return JSONResponse(body, headers={REQUEST_ID_HEADER: parsed.request.request_id})
 
@@ -287,6 +292,7 @@ def create_app(upstream: Upstream, limits: RequestLimits, api_keys: ApiKeys | No
         metadata, body = await accepted(request, "prompt")
         prompt = completion_prompt(body, upstream.info.target.vocab_size, context)
         parsed = build_request(body, prompt, COMPLETIONS_DEFAULT_MAX_TOKENS, request_id(request))
+        parsed.request.cache_salt = cache_salt(body, metadata, salt_secret)
         return await respond(request, parsed, chat=False, metadata=metadata)
 
     @app.post("/v1/chat/completions")
@@ -300,6 +306,7 @@ def create_app(upstream: Upstream, limits: RequestLimits, api_keys: ApiKeys | No
         default = min(upstream.info.max_new_tokens_cap, room)
         prompt = orchestrator_pb2.GenerateRequest(token_ids=orchestrator_pb2.TokenIds(ids=prompt_ids))
         parsed = build_request(body, prompt, default, request_id(request))
+        parsed.request.cache_salt = cache_salt(body, metadata, salt_secret)
         return await respond(request, parsed, chat=True, metadata=metadata)
 
     return app
@@ -398,7 +405,7 @@ async def _events(
         yield chunk(None if chat else "", gathered.finish_reason)
         stats = gathered.stats or orchestrator_pb2.GenerationStats()
         if parsed.include_usage:
-            tail = {**base, "choices": [], "usage": usage(stats.prompt_tokens, stats.output_tokens)}
+            tail = {**base, "choices": [], "usage": usage(stats)}
             tail["specdec"] = stats_extension(stats)
             yield f"data: {json.dumps(tail)}\n\n"
     except ApiError as exc:  # after the response started: the error travels as an event

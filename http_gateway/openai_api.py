@@ -8,6 +8,8 @@ response's generation statistics come back in the `specdec` field.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -104,7 +106,14 @@ def check_fields(body: dict[str, Any], known: set[str]) -> None:
             raise invalid(f"unknown field `{name}`", name)
 
 
-EXTENSION_FIELDS = {"num_speculative_tokens", "speculation_policy", "overlap_drafting", "draft_method", "top_k"}
+EXTENSION_FIELDS = {
+    "num_speculative_tokens",
+    "speculation_policy",
+    "overlap_drafting",
+    "draft_method",
+    "top_k",
+    "cache_salt",
+}
 
 
 def build_request(
@@ -195,12 +204,32 @@ def stats_extension(stats: orchestrator_pb2.GenerationStats) -> dict[str, Any]:
     return fields
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(stats: orchestrator_pb2.GenerationStats) -> dict[str, Any]:
+    """OpenAI's usage object; cached_tokens are the prompt tokens the target's prefix cache held."""
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.output_tokens,
+        "total_tokens": stats.prompt_tokens + stats.output_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.target_reused_prompt_tokens},
     }
+
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def cache_salt(body: dict[str, Any], metadata: tuple[tuple[str, str], ...], secret: bytes | None) -> str:
+    """The request's cache salt: the body's `cache_salt` (vLLM's field), or with a server secret
+    (--cache-salt-per-key) an HMAC of the API key and that field, so that no two keys share cached
+    prefixes whatever they send."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+        raise invalid(
+            f"`cache_salt` must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters", "cache_salt"
+        )
+    if secret is None:
+        return salt or ""
+    key = next((value.removeprefix("Bearer ").strip() for name, value in metadata if name == "authorization"), "")
+    return hmac.new(secret, key.encode() + b"\0" + (salt or "").encode(), hashlib.sha256).hexdigest()
 
 
 def envelope(kind: str, request_id: str, model: str) -> dict[str, Any]:

@@ -19,7 +19,9 @@ class ModelServiceConfig:
     device: str = "cpu"
     dtype: str = "auto"
     max_sessions: int = 64
-    max_cached_tokens: int = 262_144
+    max_cached_tokens: str = "262144"  # or "auto"
+    kv_block_tokens: int = 16
+    prefix_caching: bool = True
     session_idle_timeout_s: float = 300.0
     max_streams_per_peer: int = 16
     max_speculative_tokens: int = 16
@@ -46,7 +48,12 @@ _HELP: dict[str, str] = {
     "device": "cpu, cuda, cuda:N, or auto (spread over all GPUs with accelerate's device map)",
     "dtype": "float32, float16, bfloat16, or auto (the checkpoint's dtype on GPU, float32 on CPU)",
     "max_sessions": "most sessions held at once (RESOURCE_EXHAUSTED beyond)",
-    "max_cached_tokens": "most tokens cached over all sessions (RESOURCE_EXHAUSTED beyond)",
+    "max_cached_tokens": "most tokens cached over all sessions (RESOURCE_EXHAUSTED beyond): the key-value blocks "
+    "allocated once at start-up; auto: 90%% of the GPU memory free after loading the weights (on CPU, half the "
+    "memory available)",
+    "kv_block_tokens": "tokens per key-value block: the unit of allocation and of prefix reuse",
+    "prefix_caching": "keep full blocks indexed by their prefix, so a session whose tokens begin alike starts "
+    "from them (--no-prefix-caching: every session computes its prompt; a seed then reproduces exactly)",
     "session_idle_timeout_s": "an idle session's cache is freed after this many seconds",
     "max_streams_per_peer": "most open streams from one client (its mTLS name, else its address); one stream "
     "carries every session of an orchestrator, so this bounds idle or hostile connections, not sessions",
@@ -78,7 +85,7 @@ def parse_model_service_config(prog: str, argv: Sequence[str] | None = None) -> 
     positive = (
         "max_sessions",
         "max_streams_per_peer",
-        "max_cached_tokens",
+        "kv_block_tokens",
         "max_speculative_tokens",
         "max_batch_size",
         "prefill_chunk_tokens",
@@ -86,6 +93,12 @@ def parse_model_service_config(prog: str, argv: Sequence[str] | None = None) -> 
     for name in positive:
         if getattr(config, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if config.max_cached_tokens != "auto" and not (
+        config.max_cached_tokens.isdigit() and int(config.max_cached_tokens)
+    ):
+        parser.error(
+            f"--max-cached-tokens must be a positive number of tokens or auto; got {config.max_cached_tokens!r}"
+        )
     if not 0.0 <= config.batch_hold_fraction <= 1.0:
         parser.error("--batch-hold-fraction must be in [0, 1]")
     if config.max_batch_tokens < config.prefill_chunk_tokens:

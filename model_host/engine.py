@@ -23,7 +23,7 @@ import structlog
 import torch
 
 from model_host.forward import Forward, RowLogits
-from model_host.kv_slots import Row
+from model_host.kv_blocks import Row
 from model_host.metrics import BATCH_SIZE, BATCH_TOKENS, ENGINE_FORWARD_SECONDS, QUEUE_SECONDS
 from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError, resource_exhausted
 
@@ -62,6 +62,13 @@ class Job:
     # hold waits for it (Engine._hold). A verify of a draft block is not: its session's next step
     # follows a draft step.
     comes_straight_back: bool = True
+    cache_salt: bytes = b""  # keeps this session's cached prefix blocks apart from other salts'
+    reused: int = 0  # tokens of `pending` found in the prefix cache and not fed
+
+    def most_reused(self) -> int:
+        """How many of the tokens to feed may come from the prefix cache: all but those whose logits
+        are wanted, and at least one (a forward needs a token)."""
+        return len(self.pending) - max(1, self.num_logits)
 
     def advance(self, logits: torch.Tensor) -> list[int] | None:
         """Logits [num_logits, vocab] after `pending` was fed: the next tokens to feed, or None when done."""
@@ -167,11 +174,13 @@ class Engine:
                 if self._stopped:
                     break
                 self._hold()
-                self._active.extend(self._inbox)
+                entered = list(self._inbox)
                 self._inbox.clear()
             for slot in self.slots.recycle():
                 self.forward.release(slot)
                 self._last_step.pop(slot, None)
+            for job in entered:
+                self._enter(job)
             with torch.inference_mode():
                 self._iteration()
         for job in [*self._active, *self._inbox]:
@@ -207,6 +216,20 @@ class Engine:
             if remaining <= 0:
                 return
             self._wake.wait(remaining)
+
+    def _enter(self, job: Job) -> None:
+        """A new step: its slot rolls back to where the step starts (the blocks past it are freed), and
+        a session's first step starts from the longest cached prefix of its tokens."""
+        self._active.append(job)
+        try:
+            self.forward.truncate(job.slot, job.start)
+            if job.start == 0:
+                job.reused = self.forward.reuse(job.slot, job.pending, job.most_reused(), job.cache_salt)
+                job.start, job.pending = job.reused, job.pending[job.reused :]
+        except Exception as exc:
+            log.exception("step_entry_failed", slot=job.slot)
+            self._active.remove(job)
+            _fail(job, ServiceError(grpc.StatusCode.INTERNAL, f"{HANDLER_INTERNAL_PREFIX}{type(exc).__name__}: {exc}"))
 
     def _iteration(self) -> None:
         now = time.perf_counter()

@@ -1,9 +1,9 @@
 """Forward passes over many sessions at once.
 
 - `BatchedForward`: any Hugging Face causal LM whose attention layers call `cache.update` (Llama,
-  Mistral, Qwen2, Gemma, GPT-2 and most others): one forward over every row, keys and values resident
-  in a `SlotStore`, per-row positions, and a 4-D mask for each attention pattern the model's layers use
-  (global, sliding window, chunked: model_host/attention.py).
+  Mistral, Qwen2, Gemma, GPT-2 and most others): one forward over every row, keys and values in the
+  blocks of a `BlockStore` (with prefix reuse), per-row positions, and a 4-D mask for each attention
+  pattern the model's layers use (global, sliding window, chunked: model_host/attention.py).
 - `SerialForward`: the fallback for an architecture the batched pass cannot serve (its start-up check
   disagrees with the model's own forward, or the model is spread over devices): one Hugging Face
   `DynamicCache` per slot, rows run one after another.
@@ -24,7 +24,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from model_host.attention import AttentionLayout
-from model_host.kv_slots import BatchView, Row, SlotStore
+from model_host.kv_blocks import BatchView, BlockStore, Row
 
 log = structlog.get_logger(__name__)
 
@@ -61,6 +61,14 @@ class Forward:
     def release(self, slot: int) -> None:
         """The slot's session is gone; its storage may be reused."""
 
+    def truncate(self, slot: int, length: int) -> None:
+        """The slot's session rolled back to its first `length` tokens (its next row starts there)."""
+
+    def reuse(self, slot: int, tokens: list[int], most: int, salt: bytes) -> int:
+        """Start an empty slot from cached keys and values of a prefix of `tokens` (at most `most`
+        tokens); returns how many it starts from (0 without prefix caching)."""
+        return 0
+
     def synchronize(self) -> None:
         """Wait until the device has run what the last call queued, so that a clock read after it
         times the forward: CUDA runs kernels asynchronously, and without this a forward's time is
@@ -77,10 +85,25 @@ def split_logits(logits: torch.Tensor, rows: list[Row]) -> RowLogits:
     return [logits[index, kept - row.num_logits :] if row.num_logits else None for index, row in enumerate(rows)]
 
 
-class BatchedForward(Forward):
+class PagedForward(Forward):
+    """A forward over a `BlockStore`: releases, rollbacks and prefix reuse are the store's."""
+
+    store: BlockStore
+
+    def release(self, slot: int) -> None:
+        self.store.release(slot)
+
+    def truncate(self, slot: int, length: int) -> None:
+        self.store.truncate(slot, length)
+
+    def reuse(self, slot: int, tokens: list[int], most: int, salt: bytes) -> int:
+        return self.store.reuse(slot, tokens, most, salt)
+
+
+class BatchedForward(PagedForward):
     name = "batched"
 
-    def __init__(self, model: PreTrainedModel, store: SlotStore, layout: AttentionLayout | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, store: BlockStore, layout: AttentionLayout | None = None) -> None:
         self.model = model
         self.store = store
         self.device = store.device
@@ -114,6 +137,7 @@ class BatchedForward(Forward):
             use_cache=True,
             logits_to_keep=kept,
         )
+        view.done()
         return split_logits(output.logits, rows)
 
 
@@ -208,6 +232,15 @@ def check_schedule(layout: AttentionLayout, context: int, vocab: int, chunk: int
     return steps
 
 
+def check_lengths(layout: AttentionLayout, context: int, chunk: int) -> list[int]:
+    """The longest each of `check_schedule`'s sessions grows: what its forwards need cached at once."""
+    longest: dict[int, int] = {}
+    for rows in check_schedule(layout, context, 2, chunk):
+        for row in rows:
+            longest[row.slot] = max(longest.get(row.slot, 0), row.start + len(row.token_ids))
+    return list(longest.values())
+
+
 @torch.inference_mode()
 def disagreement(
     forward: Callable[[list[Row]], RowLogits], model: PreTrainedModel, layout: AttentionLayout, context: int, chunk: int
@@ -258,11 +291,11 @@ def _not_servable(layout: AttentionLayout, features: str, problem: str) -> Model
     )
 
 
-def choose_forward(model: PreTrainedModel, store: SlotStore, prefill_chunk: int = 512) -> Forward:
+def choose_forward(model: PreTrainedModel, store: BlockStore, prefill_chunk: int = 512) -> Forward:
     """The batched forward when it computes the model's own function (checked), else the serial
     fallback (checked too, and logged with the reason); `ModelNotServable` when neither does."""
     layout = AttentionLayout.of(model.config)
-    context = store.max_capacity - 1
+    context = store.max_context
     features = _features(model, layout)
     allowed = tolerance(store.dtype)
     if len({str(p.device) for p in model.parameters()}) > 1:

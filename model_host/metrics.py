@@ -28,3 +28,16 @@ ENGINE_FORWARD_SECONDS = Histogram(
 QUEUE_SECONDS = Histogram(
     "specdec:queue_wait_seconds", "Time a step waited before its first forward", ["service"], buckets=_LATENCY_BUCKETS
 )
+
+# vLLM's names for prefix caching, with our prefix: the hit rate is hits / queries (tokens).
+PREFIX_CACHE_QUERIES = Counter(
+    "specdec:prefix_cache_queries", "Tokens of new or reopened sessions looked up in the prefix cache", ["service"]
+)
+PREFIX_CACHE_HITS = Counter(
+    "specdec:prefix_cache_hits", "Tokens of those found cached, and not computed again", ["service"]
+)
+KV_BLOCKS = Gauge(
+    "specdec:kv_blocks",
+    "Key-value blocks by state: used (held by sessions), cached (free, kept for reuse), free",
+    ["service", "state"],
+)

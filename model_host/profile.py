@@ -14,9 +14,9 @@ import time
 import torch
 
 from model_host.forward import Forward
-from model_host.kv_slots import Row
+from model_host.kv_blocks import Row
 
-_PREFIX_TOKENS = 32
+PROFILE_PREFIX_TOKENS = 32
 _REPEATS = 3
 
 
@@ -27,16 +27,16 @@ def forward_costs(
     """[(batch_tokens, seconds)] sorted by batch_tokens; the median of a few forwards each."""
     generator = torch.Generator().manual_seed(0)
     batch_sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= max_batch_size]
-    prefix = torch.randint(0, vocab_size, (_PREFIX_TOKENS,), generator=generator).tolist()
+    prefix = torch.randint(0, vocab_size, (PROFILE_PREFIX_TOKENS,), generator=generator).tolist()
     forward([Row(slot, 0, prefix, 1) for slot in range(batch_sizes[-1])])
     for batch in batch_sizes:  # warm-up: first calls of a shape allocate and pick kernels
         for width in widths:
-            forward([Row(slot, _PREFIX_TOKENS, prefix[:width], width) for slot in range(batch)])
+            forward([Row(slot, PROFILE_PREFIX_TOKENS, prefix[:width], width) for slot in range(batch)])
     forward.synchronize()  # nothing queued when the first clock starts; each timed call ends synced
     by_tokens: dict[int, list[float]] = {}
     for batch in batch_sizes:
         for width in widths:
-            rows = [Row(slot, _PREFIX_TOKENS, prefix[:width], width) for slot in range(batch)]
+            rows = [Row(slot, PROFILE_PREFIX_TOKENS, prefix[:width], width) for slot in range(batch)]
             seconds = []
             for _ in range(_REPEATS):
                 started = time.perf_counter()

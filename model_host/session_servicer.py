@@ -21,13 +21,14 @@ from typing import Any, Generic, Protocol, TypeVar
 import grpc
 import structlog
 
+from model_host.attention import AttentionLayout
 from model_host.config import ModelServiceConfig
 from model_host.engine import DEFAULT_OVERHEAD_TOKENS, Engine, EngineLimits, Job
-from model_host.forward import Forward, choose_forward
-from model_host.kv_slots import SlotStore
+from model_host.forward import Forward, check_lengths, choose_forward
+from model_host.kv_blocks import BlockStore, blocks_for, kv_budget_tokens
 from model_host.loading import LoadedModel
 from model_host.metrics import CACHED_TOKENS, FED_TOKENS, FORWARD_SECONDS, OPEN_SESSIONS, STEPS
-from model_host.profile import forward_costs, overhead_tokens
+from model_host.profile import PROFILE_PREFIX_TOKENS, forward_costs, overhead_tokens
 from model_host.sessions import Session, SessionStore
 from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError, invalid_argument, resource_exhausted
 from serving.server import MESSAGE_BUDGET_BYTES
@@ -126,7 +127,24 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
     def __init__(self, loaded: LoadedModel, config: ModelServiceConfig) -> None:
         self.loaded = loaded
         self.config = config
-        self.slot_store = SlotStore(loaded.input_device, loaded.dtype, loaded.max_context)
+        self.max_cached_tokens = kv_budget_tokens(config.max_cached_tokens, loaded)
+        self.block_store = BlockStore(
+            loaded.input_device,
+            loaded.dtype,
+            loaded.max_context,
+            max(self.max_cached_tokens, self._startup_tokens()),
+            config.kv_block_tokens,
+            config.prefix_caching,
+            self.role,
+        )
+        log.info(
+            "kv_blocks",
+            role=self.role,
+            blocks=self.block_store.num_blocks - 2,
+            block_tokens=config.kv_block_tokens,
+            max_cached_tokens=self.max_cached_tokens,
+            prefix_caching=config.prefix_caching,
+        )
         forward = self.make_forward()
         log.info("engine_forward", forward=forward.name, role=self.role)
         limits = EngineLimits(
@@ -142,7 +160,11 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         log.info("engine_forward_overhead", tokens=round(overhead, 1), role=self.role)
         self.engine = Engine(forward, limits, self.role, overhead)
         self.store = SessionStore(
-            self.new_cache, config.max_sessions, config.max_cached_tokens, config.session_idle_timeout_s
+            self.new_cache,
+            config.max_sessions,
+            self.max_cached_tokens,
+            config.session_idle_timeout_s,
+            block_tokens=config.kv_block_tokens,
         )
         self._links: set[_Link] = set()
         self._links_lock = threading.Lock()
@@ -155,6 +177,15 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         self._steps_ok = STEPS.labels(self.role, "ok")
         self._open_sessions = OPEN_SESSIONS.labels(self.role)
         self._cached_tokens = CACHED_TOKENS.labels(self.role)
+
+    def _startup_tokens(self) -> int:
+        """What the start-up check and the forward-cost profile cache at once, in whole blocks: the
+        store holds at least that, whatever the budget (admission still keeps to the budget)."""
+        span = self.config.kv_block_tokens
+        layout = AttentionLayout.of(self.loaded.model.config)
+        check = check_lengths(layout, self.loaded.max_context, self.config.prefill_chunk_tokens)
+        profile = [PROFILE_PREFIX_TOKENS + 5] * self.config.max_batch_size
+        return max(sum(blocks_for(n, span) for n in lengths) for lengths in (check, profile)) * span
 
     # --- what subclasses provide -------------------------------------------------------------
 
@@ -183,7 +214,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
 
     def make_forward(self) -> Forward:
         """The batched forward pass of this service's model (or its serial fallback)."""
-        return choose_forward(self.loaded.model, self.slot_store, self.config.prefill_chunk_tokens)
+        return choose_forward(self.loaded.model, self.block_store, self.config.prefill_chunk_tokens)
 
     def cache_miss(self) -> ResponseT:
         """The response that says: resend with keep = 0 and the full sequence."""
@@ -215,7 +246,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             device=loaded.device_name,
             dtype=str(loaded.dtype).removeprefix("torch."),
             max_sessions=config.max_sessions,
-            max_cached_tokens=config.max_cached_tokens,
+            max_cached_tokens=self.max_cached_tokens,
             open_sessions=self.store.open_sessions,
             max_speculative_tokens=config.max_speculative_tokens,
             max_batch_size=config.max_batch_size,
@@ -337,7 +368,9 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
                 return
             self.store.reserve(session, self.tokens_fed_by(request))
             assert session.cache is not None
-            pending = _Pending(session, request, self.make_job(session.cache.slot, request), time.perf_counter())
+            job = self.make_job(session.cache.slot, request)
+            job.cache_salt = request.cache_salt
+            pending = _Pending(session, request, job, time.perf_counter())
             future = self.engine.submit(pending.job)
         except Exception as exc:  # noqa: BLE001 - one session's failure, never the link's
             link.results.append(self._result(session_id, error=self._as_service_error(exc)))
@@ -391,6 +424,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             timing.queue_seconds = max(0.0, job.queue_seconds)
             timing.batch_size = job.batch_size
             timing.batch_tokens = job.batch_tokens
+            timing.reused_tokens = job.reused
             timing.service_seconds = time.perf_counter() - pending.started
             link.results.append(self._result(session_id, response=response))
         self._publish_gauges()

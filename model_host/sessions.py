@@ -56,16 +56,21 @@ class SessionStore:
         max_cached_tokens: int,
         idle_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        block_tokens: int = 1,
     ) -> None:
         self._new_cache = new_cache
         self.max_sessions = max_sessions
         self.max_cached_tokens = max_cached_tokens
+        # The budget is kept in key-value blocks, each session's rounded up: what sessions hold can
+        # then never exceed the blocks the store allocated (model_host/kv_blocks.py).
+        self.block_tokens = block_tokens
+        self._max_blocks = -(-max_cached_tokens // block_tokens)
         self.idle_timeout_s = idle_timeout_s
         self._clock = clock
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
         # Kept as sessions change, so that a step's reservation costs the same at 1 session as at 64.
-        self._footprint = 0  # sum over sessions of max(length, reserved): what the budget counts
+        self._footprint = 0  # sum over sessions of the blocks of max(length, reserved): what the budget counts
         self._cached = 0  # sum over sessions of length
         self._ids = itertools.count(1)
         self.opened = 0  # sessions opened since start
@@ -92,14 +97,17 @@ class SessionStore:
 
     def _set(self, session: Session, length: int | None = None, reserved: int | None = None) -> None:
         """Change a held session's length or reservation, keeping the totals (the lock held)."""
-        self._footprint -= max(session.length, session.reserved)
+        self._footprint -= self._blocks(max(session.length, session.reserved))
         self._cached -= session.length
         if length is not None:
             session.length = length
         if reserved is not None:
             session.reserved = reserved
-        self._footprint += max(session.length, session.reserved)
+        self._footprint += self._blocks(max(session.length, session.reserved))
         self._cached += session.length
+
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens)
 
     def rollback(self, session: Session, keep: int) -> bool:
         """Crop the cache to its first `keep` tokens. False (a cache miss) when it holds fewer."""
@@ -121,12 +129,12 @@ class SessionStore:
         Atomic: concurrent steps each see the others' reservations, so together they never exceed the
         budget."""
         with self._lock:
-            others = self._footprint - max(session.length, session.reserved)
-            if others + new_length > self.max_cached_tokens:
+            others = self._footprint - self._blocks(max(session.length, session.reserved))
+            if others + self._blocks(new_length) > self._max_blocks:
                 raise resource_exhausted(
                     f"caching {new_length} tokens for this session would exceed the service's budget of "
-                    f"{self.max_cached_tokens} tokens ({others} held by other sessions); retry later, add "
-                    "replicas, or raise --max-cached-tokens"
+                    f"{self.max_cached_tokens} tokens ({others * self.block_tokens} held by other sessions, "
+                    f"in blocks of {self.block_tokens}); retry later, add replicas, or raise --max-cached-tokens"
                 )
             self._set(session, reserved=new_length)
 

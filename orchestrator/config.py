@@ -37,6 +37,8 @@ class OrchestratorConfig:
     startup_timeout_s: float = 120.0
     resolve_interval_s: float = 30.0
     max_running_requests: int = 0
+    cache_aware_routing: bool = True
+    route_load_slack: int = 4
     max_queued_requests: int = 1024
     max_queue_wait_s: float = 60.0
     metrics_port: int = 0
@@ -75,6 +77,10 @@ _HELP: dict[str, str] = {
     "target_attempts": "tries per target step before the request fails with UNAVAILABLE",
     "target_backoff_s": "first backoff between target tries (doubles each try)",
     "startup_timeout_s": "how long to wait for the services at start-up",
+    "cache_aware_routing": "send a request to the replicas likely to hold its prompt's prefix in their caches "
+    "(--no-cache-aware-routing: the least loaded)",
+    "route_load_slack": "with cache-aware routing, take the least loaded replica instead once the preferred one "
+    "holds this many sessions more",
     "resolve_interval_s": "seconds between DNS re-resolutions of dns:/// replica names",
     "max_running_requests": "requests generating at once (0: the target replicas' session limits together)",
     "max_queued_requests": "requests waiting for a place beyond those (RESOURCE_EXHAUSTED beyond)",

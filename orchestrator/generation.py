@@ -53,6 +53,7 @@ class GenerationRequest:
     draft_method: str = MODEL  # MODEL, NGRAM, or "hybrid" (the lookup when it matches, else the model)
     ngram_min: int = 2
     ngram_max: int = 4
+    cache_salt: bytes = b""  # sent on each session's first step (keep = 0)
 
 
 @dataclass(frozen=True)
@@ -347,6 +348,7 @@ class Generation:
             # Seeded by position, so a block drafted again after a lost session is the same block.
             seed=(self.request.seed * _SEED_MIX + n) & _U64,
             min_confidence=self.request.min_confidence,
+            cache_salt=self.request.cache_salt if keep == 0 else b"",
         )
 
     async def _propose(self, context: list[int], k: int) -> Draft:
@@ -429,6 +431,7 @@ class Generation:
                     append_token_ids=context[keep:],
                     num_rows=rows,
                     sampling=sampling,
+                    cache_salt=self.request.cache_salt if keep == 0 else b"",
                     **sampled,
                 ),
                 min_append=rows,  # the rows start at the last committed token
@@ -566,6 +569,11 @@ class Generation:
     @property
     def wire_bytes(self) -> int:
         return self.target.wire_bytes + (self.draft.wire_bytes if self.draft else 0)
+
+    @property
+    def reused(self) -> tuple[int, int]:
+        """Tokens the target's and the draft's prefix caches saved this request."""
+        return self.target.reused_tokens, self.draft.reused_tokens if self.draft else 0
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,9 @@ class Stats:
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
-    def to_proto(self, reopens: int, wire_bytes: int) -> orchestrator_pb2.GenerationStats:
+    def to_proto(
+        self, reopens: int, wire_bytes: int, reused: tuple[int, int] = (0, 0)
+    ) -> orchestrator_pb2.GenerationStats:
         return orchestrator_pb2.GenerationStats(
             prompt_tokens=self.prompt_tokens,
             output_tokens=self.output_tokens,
@@ -84,6 +86,8 @@ class Stats:
             ngram_draft_tokens=self.ngram_draft_tokens,
             ngram_accepted_tokens=self.ngram_accepted_tokens,
             probe_rounds=self.probe_rounds,
+            target_reused_prompt_tokens=reused[0],
+            draft_reused_prompt_tokens=reused[1],
         )
 
 

@@ -29,6 +29,7 @@ from orchestrator.goodput import StepTimes, make_policy
 from orchestrator.link import LinkMessages
 from orchestrator.outbox import Outbox
 from orchestrator.proposals import MODEL, NGRAM, Stats
+from orchestrator.routing import route_for
 from orchestrator.sampler import BatchSampler
 from orchestrator.text import TextStream, byte_table
 from orchestrator.upstream import Dial, ReplicaPool, SessionStream
@@ -60,6 +61,7 @@ log = structlog.get_logger(__name__)
 SERVICE_NAME = "specdec.v1.Orchestrator"
 _MAX_STOP_STRINGS = 16
 _MAX_STOP_CHARS = 256
+MAX_CACHE_SALT_BYTES = 256
 _MAX_REQUEST_ID_CHARS = 128
 _INFO_POLL_S = 0.5
 
@@ -161,6 +163,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 "plaintext_upstream", detail="no --upstream-tls-ca: connections to the services are unencrypted"
             )
         dial = Dial(credentials, config.upstream_tls_server_name)
+        slack = config.route_load_slack if config.cache_aware_routing else None
         target_pool = ReplicaPool(
             "target",
             config.target,
@@ -169,6 +172,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             config.resolve_interval_s,
             dial,
             step_timeout_s=config.target_timeout_s,
+            route_load_slack=slack,
         )
         await target_pool.start()
         target_info = await fetch_model_info(target_pool, config.startup_timeout_s)
@@ -182,6 +186,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 config.resolve_interval_s,
                 dial,
                 step_timeout_s=config.draft_timeout_s,
+                route_load_slack=slack,
             )
             await pool.start()
             draft = DraftSide(pool)
@@ -321,6 +326,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         seed = request.seed if request.HasField("seed") else random.getrandbits(64)
         overlap = request.overlap_drafting if request.HasField("overlap_drafting") else cfg.overlap_drafting
         request_id = request.request_id or uuid.uuid4().hex
+        salt = request.cache_salt.encode()
+        if len(salt) > MAX_CACHE_SALT_BYTES:
+            raise invalid_argument(f"cache_salt has {len(salt)} bytes; at most {MAX_CACHE_SALT_BYTES} are accepted")
         generation_request = GenerationRequest(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -333,6 +341,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             draft_method=method,
             ngram_min=cfg.ngram_min,
             ngram_max=cfg.ngram_max,
+            cache_salt=salt,
         )
         return generation_request, policy
 
@@ -353,16 +362,18 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     def _generation(self, request: GenerationRequest, policy: str) -> Generation:
         cfg = self.config
+        route = route_for(request.cache_salt, request.prompt_token_ids)
         target: TargetStream = SessionStream(
             self.target_pool,
             request.request_id,
             attempts=cfg.target_attempts,
             backoff_s=cfg.target_backoff_s,
+            route=route,
         )
         k, method = request.num_speculative_tokens, request.draft_method
         draft: DraftStream | None = None
         if self.draft is not None and self.draft.info is not None and k > 0 and method != NGRAM:
-            draft = SessionStream(self.draft.pool, request.request_id, attempts=1)
+            draft = SessionStream(self.draft.pool, request.request_id, attempts=1, route=route)
         # Under load_aware the request's K is the bound on every round's K; the heuristic grows from it.
         max_k = k if policy == "load_aware" else cfg.max_speculative_tokens
         # load_aware starts from the server's K and moves from it where that clearly pays.
@@ -415,7 +426,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             yield orchestrator_pb2.GenerateResponse(
                 text="" if finish == orchestrator_pb2.FINISH_REASON_STOP else text.finish(),
                 finish_reason=finish,  # type: ignore[arg-type]
-                stats=stats.to_proto(generation.reopens, generation.wire_bytes),
+                stats=stats.to_proto(generation.reopens, generation.wire_bytes, generation.reused),
                 request_id=generation_request.request_id if first else "",
             )
             self._record(generation, finish)

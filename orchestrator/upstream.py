@@ -21,6 +21,7 @@ import grpc
 import structlog
 
 from orchestrator.link import Link, LinkLost, LinkMessages, result_failure
+from orchestrator.routing import PrefixIndex, Route, preferred
 from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError, unavailable
 from serving.server import CHANNEL_OPTIONS
 from specdec.v1 import common_pb2
@@ -94,7 +95,9 @@ class Dial:
 
 
 class ReplicaPool:
-    """The replicas of one service; requests are spread over them, least pinned first."""
+    """The replicas of one service. A session with a route goes where its prefix is likely cached
+    (orchestrator/routing.py) unless that replica is `route_load_slack` sessions busier than the least
+    loaded; other sessions, and all of them when `route_load_slack` is None, go to the least pinned."""
 
     def __init__(
         self,
@@ -105,8 +108,11 @@ class ReplicaPool:
         resolve_interval_s: float,
         dial: Dial | None = None,
         step_timeout_s: float = 60.0,
+        route_load_slack: int | None = None,
     ):
         self.name = name
+        self.route_load_slack = route_load_slack
+        self.index = PrefixIndex()
         self.messages = messages
         self.step_timeout_s = step_timeout_s  # a step unanswered this long fails with TimeoutError
         self._dial = dial or Dial()
@@ -128,7 +134,10 @@ class ReplicaPool:
             if address not in self._replicas:
                 channel = self._dial.channel(address)
                 self._replicas[address] = Replica(address, channel, self._make_stub(channel))
-        self._retired += [self._replicas.pop(a) for a in list(self._replicas) if a not in addresses]
+        gone = [self._replicas.pop(a) for a in list(self._replicas) if a not in addresses]
+        for replica in gone:
+            self.index.forget(replica.address)
+        self._retired += gone
         # A retired replica's channel closes once its last pinned session has ended.
         for replica in [r for r in self._retired if r.active == 0]:
             self._retired.remove(replica)
@@ -146,15 +155,23 @@ class ReplicaPool:
     def replicas(self) -> list[Replica]:
         return list(self._replicas.values())
 
-    def pick(self, avoid: Replica | None = None) -> Replica:
-        """The least-pinned healthy replica, other than `avoid` when there is a choice."""
+    def pick(self, avoid: Replica | None = None, route: Route | None = None) -> Replica:
+        """A healthy replica, other than `avoid` when there is a choice: the one `route` prefers unless
+        it is too busy, else the least pinned."""
         if not self._replicas:
             raise unavailable(f"no {self.name} replicas are known; check --{self.name}")
         now = time.monotonic()
         candidates = [r for r in self._replicas.values() if r is not avoid] or list(self._replicas.values())
         healthy = [r for r in candidates if now - r.failed_at > _FAILURE_COOLDOWN_S] or candidates
         least = min(r.active for r in healthy)
-        return random.choice([r for r in healthy if r.active == least])
+        chosen = random.choice([r for r in healthy if r.active == least])
+        if route is not None and self.route_load_slack is not None:
+            by_address = {r.address: r for r in healthy}
+            best = by_address[preferred(route, self.index, list(by_address))]
+            if best.active <= least + self.route_load_slack:
+                chosen = best
+            self.index.record(route, chosen.address)
+        return chosen
 
     async def close(self) -> None:
         if self._resolver:
@@ -207,6 +224,8 @@ class SessionStream(Generic[RequestT, ResponseT]):
     request_id: str
     attempts: int = 4
     backoff_s: float = 0.25
+    route: Route | None = None  # where the prompt's prefix is likely cached (None: least pinned)
+    reused_tokens: int = 0  # tokens the replicas' prefix caches saved this session
     held: list[int] = field(default_factory=list)  # the tokens the replica's cache holds, in order
     reopens: int = 0  # times the session was reopened with the full sequence
     wire_bytes: int = 0  # this session's entries and results, on every link it used
@@ -259,6 +278,7 @@ class SessionStream(Generic[RequestT, ResponseT]):
                 self.held = []
                 self.reopens += 1
                 continue
+            self.reused_tokens += response.timing.reused_tokens
             fed = [*context, *(fed_beyond(response) if fed_beyond else ())]
             self.held = fed[: response.cached_tokens]
             return Stepped(response, len(context) - keep)
@@ -295,7 +315,7 @@ class SessionStream(Generic[RequestT, ResponseT]):
 
     def _open(self) -> None:
         previous = self.replica
-        self.replica = self.pool.pick(avoid=previous)
+        self.replica = self.pool.pick(avoid=previous, route=self.route)
         self.replica.active += 1
         self._link = self.replica.live_link(self.pool.messages, self.pool.step_timeout_s)
         self._session = self._link.new_session()

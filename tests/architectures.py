@@ -197,10 +197,10 @@ def _table() -> str:
     from draft_service.lean import LeanDraft
     from model_host.attention import AttentionLayout
     from model_host.forward import choose_forward
-    from model_host.kv_slots import SlotStore
+    from model_host.kv_blocks import BlockStore
 
-    def store() -> SlotStore:
-        return SlotStore(torch.device("cpu"), torch.float32, CONTEXT)
+    def store() -> BlockStore:
+        return BlockStore(torch.device("cpu"), torch.float32, CONTEXT)
 
     lines = ["| family | model type | attention (tiny config) | target | draft |", "| --- | --- | --- | --- | --- |"]
     for family in FAMILIES.values():

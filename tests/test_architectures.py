@@ -45,7 +45,7 @@ from model_host.forward import (
     disagreement,
     tolerance,
 )
-from model_host.kv_slots import Row, SlotStore
+from model_host.kv_blocks import BlockStore, Row
 from model_host.loading import LoadedModel
 from model_host.profile import forward_costs
 from model_host.runtime import ModelServer, start_model_server
@@ -89,8 +89,8 @@ def _served() -> list:
     ]
 
 
-def _store() -> SlotStore:
-    return SlotStore(torch.device("cpu"), torch.float32, CONTEXT)
+def _store() -> BlockStore:
+    return BlockStore(torch.device("cpu"), torch.float32, CONTEXT)
 
 
 # --- forwards against the model's own --------------------------------------------------------------
@@ -165,7 +165,7 @@ def test_in_bfloat16_the_batched_forward_is_chosen_and_an_ignored_window_still_c
     """bfloat16 rounds a stepped forward and a whole one apart by a few units of its resolution (the
     check's tolerance scales with it); a forward that ignores a window is off by far more."""
     target = build(FAMILIES[family])[0].to(torch.bfloat16)
-    store = SlotStore(torch.device("cpu"), torch.bfloat16, CONTEXT)
+    store = BlockStore(torch.device("cpu"), torch.bfloat16, CONTEXT)
     assert isinstance(choose_forward(target, store), BatchedForward)
     layout = AttentionLayout.of(target.config)
     if any(layer.span for layer in layout.layers):

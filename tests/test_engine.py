@@ -11,7 +11,7 @@ import torch
 
 from model_host.engine import Engine, EngineLimits, Job, _chunk, group_ends
 from model_host.forward import Forward, RowLogits
-from model_host.kv_slots import Row
+from model_host.kv_blocks import Row
 from model_host.profile import forward_costs, overhead_tokens
 from serving.errors import ServiceError
 

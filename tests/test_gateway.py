@@ -225,3 +225,38 @@ def test_keys_full_servers_and_stopped_orchestrators_give_401_429_503(target_ser
         gateway.stop()
         if orchestrator.thread_alive():
             orchestrator.stop()
+
+
+def test_cached_prompt_tokens_and_salts_per_api_key(target_server, tmp_path, target_model):
+    """usage.prompt_tokens_details.cached_tokens reports the target's prefix hits; under
+    --cache-salt-per-key two keys never share a cached prefix, whatever cache_salt they send."""
+    keys = tmp_path / "keys"
+    keys.write_text("key-a\nkey-b\n")
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    orchestrator = OrchestratorThread(orchestrator_config(target_server))
+    plain = _start(orchestrator)
+    salted = _start(orchestrator, api_key_file=str(keys), cache_salt_per_key=True, cache_salt_secret_file=str(secret))
+    prompt = list(range(5, 45))  # two full blocks of 16 and some
+    try:
+
+        def cached(gateway: GatewayThread, key: str = "unused", **extra) -> int:
+            response = gateway.client(key).completions.create(
+                model=gateway.model, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra
+            )
+            return response.usage.prompt_tokens_details.cached_tokens
+
+        assert cached(plain, cache_salt="mine") == 0
+        assert cached(plain, cache_salt="mine") == 32
+        assert cached(plain) == 0  # the shared cache is another salt
+        assert cached(salted, "key-a", cache_salt="mine") == 0  # a key's salt is not the body's alone
+        assert cached(salted, "key-a", cache_salt="mine") == 32
+        assert cached(salted, "key-b", cache_salt="mine") == 0
+        assert cached(salted, "key-b") == 0
+        with pytest.raises(openai.BadRequestError) as error:
+            cached(plain, cache_salt="")
+        assert "cache_salt" in str(error.value)
+    finally:
+        salted.stop()
+        plain.stop()
+        orchestrator.stop()

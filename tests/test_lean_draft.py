@@ -11,12 +11,12 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 from draft_service.lean import LeanDraft
 from draft_service.servicer import DraftServicer
 from model_host.config import ModelServiceConfig
-from model_host.kv_slots import Row, SlotStore
+from model_host.kv_blocks import BlockStore, Row
 from tests.tiny_models import tiny_llama
 
 
-def _store(model) -> SlotStore:
-    return SlotStore(torch.device("cpu"), torch.float32, model.config.max_position_embeddings)
+def _store(model) -> BlockStore:
+    return BlockStore(torch.device("cpu"), torch.float32, model.config.max_position_embeddings)
 
 
 def test_matches_hugging_face_forward_under_random_rollbacks_in_batches():
@@ -41,17 +41,21 @@ def test_matches_hugging_face_forward_under_random_rollbacks_in_batches():
                 assert torch.allclose(got[0], want, atol=1e-4), (got[0] - want).abs().max()
 
 
-def test_storage_grows_past_its_first_allocation():
+def test_a_long_row_over_many_blocks_and_a_prefix_reused_from_them():
     model = tiny_llama(64, seed=5, max_context=1024)
     store = _store(model)
     lean = LeanDraft.attach(model, store)
     assert lean is not None
-    ids = list(range(1, 64)) * 8  # 504 tokens: past the first 256 positions
+    ids = list(range(1, 64)) * 8  # 504 tokens: 32 blocks
     with torch.inference_mode():
         got = lean([Row(slot=5, start=0, token_ids=ids, num_logits=1)])[0]
         want = model(torch.tensor([ids])).logits[0, -1]
-    assert got is not None and torch.allclose(got[0], want, atol=1e-4)
-    assert store.capacity > 504 and store.slots > 5
+        assert got is not None and torch.allclose(got[0], want, atol=1e-4)
+        other = [*ids[:300], 7, 8]
+        start = lean.reuse(6, other, len(other) - 1, b"")
+        assert start == 288
+        again = lean([Row(slot=6, start=start, token_ids=other[start:], num_logits=2)])[0]
+        assert again is not None and torch.allclose(again, model(torch.tensor([other])).logits[0, -2:], atol=1e-4)
 
 
 def test_fused_projections_keep_biases_and_the_models_own_forward():

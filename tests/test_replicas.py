@@ -17,7 +17,8 @@ def _request(prompt: list[int], max_new_tokens: int, **fields) -> orchestrator_p
 def test_requests_are_spread_and_pinned(target_model, close_draft_server):
     first, second = start_target(target_model), start_target(target_model)
     addresses = f"{LOOPBACK}:{first.port},{LOOPBACK}:{second.port}"
-    orchestrator = OrchestratorThread(orchestrator_config(addresses, close_draft_server))
+    # The least-pinned rule alone: cache-aware routing would send both (one prompt) to one replica.
+    orchestrator = OrchestratorThread(orchestrator_config(addresses, close_draft_server, cache_aware_routing=False))
     try:
         calls = [orchestrator.stub.Generate(_request([1, 2, 3], 150, num_speculative_tokens=2)) for _ in range(2)]
         for call in calls:
@@ -166,7 +167,9 @@ def test_a_hung_target_replica_gives_a_deadline_error_and_is_avoided(tiny_pair, 
     try:
         wait_serving(f"{LOOPBACK}:{port}", 120, hung)
         addresses = f"{LOOPBACK}:{port},{LOOPBACK}:{healthy.port}"
-        orchestrator = OrchestratorThread(orchestrator_config(addresses, target_timeout_s=2.0))
+        orchestrator = OrchestratorThread(
+            orchestrator_config(addresses, target_timeout_s=2.0, cache_aware_routing=False)
+        )
         calls = [orchestrator.stub.Generate(_request([5, 6], 200)) for _ in range(2)]
         for call in calls:
             next(call)  # one request on each replica (least pinned first)

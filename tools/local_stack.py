@@ -104,6 +104,7 @@ class LocalStack:
     with_metrics: bool = False  # give each process a Prometheus port (metrics_ports, by name)
     metrics_ports: dict[str, int] = field(default_factory=dict)
     hosts: Hosts | None = None  # the model services' namespaces, behind links (tools/netns.py); None: loopback
+    target_replicas: int = 1  # more start target-2, target-3 ... beside `target`, all behind the orchestrator
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         if self.with_metrics:
@@ -138,12 +139,17 @@ class LocalStack:
         if self.log_dir:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
-            host, target_port = self._place("target")
-            self.target_address = f"{host}:{target_port}"
-            target = self._spawn(
-                "target", service_command("target", self.target_model, host, target_port, *self._service_args())
-            )
-            waits = [(self.target_address, target)]
+            waits = []
+            addresses = []
+            for replica in range(self.target_replicas):
+                name = "target" if replica == 0 else f"target-{replica + 1}"
+                host, target_port = self._place(name)
+                addresses.append(f"{host}:{target_port}")
+                target = self._spawn(
+                    name, service_command("target", self.target_model, host, target_port, *self._service_args())
+                )
+                waits.append((addresses[-1], target))
+            self.target_address = ",".join(addresses)
             if self.draft_model:
                 host, draft_port = self._place("draft")
                 self.draft_address = f"{host}:{draft_port}"

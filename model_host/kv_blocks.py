@@ -1,0 +1,431 @@
+"""Keys and values of every session on a model service, in fixed-size blocks, with prefix reuse.
+
+Memory is allocated once, by the token budget: per layer, one tensor of `num_blocks x block_tokens`
+token positions ([positions, kv_heads, head_dim]). A session (an engine slot) holds a block table:
+its cached token at position p lives in block `table[p // block_tokens]` at offset
+`p % block_tokens`. Nothing grows with a prompt; a long prompt takes its blocks and gives them back.
+
+Prefix reuse (as vLLM's automatic prefix caching and nano-vllm's block manager): every full block is
+indexed by a hash chained along the prefix (`chain(parent, tokens)`, rooted in the session's cache
+salt), so equal prefixes under the same salt have equal hashes. An indexed block is immutable: a
+session that writes into one (a rollback into a shared or cached prefix) first copies it to a block
+of its own. A block no session holds keeps its hash until a new block is needed, least recently
+freed first; a reservation never waits for one.
+
+Block 0 is scratch: padding positions write there and short rows' tables are padded with it, and
+no query ever sees it. Positions of a row's window that it does not hold are masked; they hold
+finite values (a block is zeroed before its first use), as attention needs: the mask is added to
+the scores, and a zero weight times a NaN value is NaN.
+
+Rows are right-aligned in a step of width T: row i's T_i new tokens sit at input positions
+T - T_i .. T - 1, so every row's last token is at T - 1 and the logits wanted are always the last
+few positions. Input position t of row i is cache position start_i + t - (T - T_i). Padding queries
+see only position 0, so nothing is undefined. A layer's queries see the cached positions its
+attention pattern allows (`BatchView.mask`: global, sliding window or chunk; model_host/attention.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from model_host.attention import GLOBAL, LayerAttention, visible_keys
+from model_host.metrics import KV_BLOCKS, PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES
+
+# vLLM's default block size; a session wastes at most one block's tail, and prefixes are shared in
+# whole blocks. `--kv-block-tokens` changes it.
+DEFAULT_BLOCK_TOKENS = 16
+_SCRATCH = 0
+_ROOT = b"specdec-kv-v1"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One session's part of a batched forward."""
+
+    slot: int
+    start: int  # tokens already cached for this session (its valid length after rollback)
+    token_ids: list[int]  # the tokens to feed, at cache positions start .. start + len - 1
+    num_logits: int  # logits wanted for the last num_logits of token_ids (0: none)
+
+
+class OutOfBlocks(RuntimeError):
+    """No block is free or cached: admission let more through than the pool holds (a bug)."""
+
+
+def chain(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The hash of a full block of `tokens` after the prefix whose last block hashed to `parent`."""
+    return hashlib.blake2b(parent + array("i", tokens).tobytes(), digest_size=16).digest()
+
+
+def root(salt: bytes) -> bytes:
+    """The parent of a sequence's first block under `salt`: different salts never share a block."""
+    return hashlib.blake2b(_ROOT + salt, digest_size=16).digest()
+
+
+def blocks_for(tokens: int, block_tokens: int) -> int:
+    return -(-tokens // block_tokens)
+
+
+def kv_bytes_per_token(model: torch.nn.Module, device: torch.device) -> int:
+    """Bytes of keys and values one token takes over all layers: read off the model's own cache
+    after a one-token forward, so that any architecture's layout (grouped heads, head sizes) counts."""
+    with torch.inference_mode():
+        output = model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True)
+    total = 0
+    for layer in getattr(output.past_key_values, "layers", []):
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if tensor is not None:
+                total += tensor.numel() * tensor.element_size()
+    return max(1, total)
+
+
+def kv_budget_tokens(setting: str | int, loaded: Any) -> int:
+    """`--max-cached-tokens`: a number of tokens, or `auto`: what the memory free after loading the
+    weights holds (90% of the GPU's, as vLLM's default gpu_memory_utilization; on CPU half of what the
+    host has available, since the host shares it with everything else)."""
+    if str(setting) != "auto":
+        return int(setting)
+    device = loaded.input_device
+    per_token = kv_bytes_per_token(loaded.model, device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        usable = int(free * 0.9)
+    else:
+        usable = int(_host_available_bytes() * 0.5)
+    tokens = usable // per_token
+    if tokens < loaded.max_context:
+        raise ValueError(
+            f"--max-cached-tokens auto: {usable / 2**30:.1f} GiB free holds {tokens} tokens of keys and values "
+            f"({per_token} bytes each), less than one full context of {loaded.max_context}; free memory, or give "
+            "a number"
+        )
+    return tokens
+
+
+def _host_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else the free pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class _Slot:
+    """One session's part of the store."""
+
+    __slots__ = ("hashes", "root", "table", "tokens")
+
+    def __init__(self, salt: bytes = b"") -> None:
+        self.table: list[int] = []  # block of each block_tokens positions
+        self.tokens: list[int] = []  # the tokens cached, in order
+        self.hashes: list[bytes] = []  # chain hash of each full block, in order (prefix caching only)
+        self.root = root(salt)
+
+
+class BlockStore:
+    """Per-layer key and value tensors of `num_blocks * block_tokens` positions, and every slot's table.
+
+    Used from the engine's thread only (forwards, rollbacks, releases and lookups all run there)."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_context: int,
+        max_tokens: int | None = None,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        prefix_caching: bool = True,
+        role: str = "model",
+    ) -> None:
+        if block_tokens < 1:
+            raise ValueError("block_tokens must be at least 1")
+        self.device = device
+        self.dtype = dtype
+        self.max_context = max_context
+        self.block_tokens = block_tokens
+        self.prefix_caching = prefix_caching
+        budget = max_tokens if max_tokens is not None else 8 * max_context
+        # The budget's blocks, plus scratch and one spare for a copy-on-write's moment of two blocks.
+        self.num_blocks = blocks_for(budget, block_tokens) + 2
+        self.keys: dict[int, torch.Tensor] = {}  # layer -> [num_blocks * block_tokens, kv_heads, head_dim]
+        self.values: dict[int, torch.Tensor] = {}
+        self._slots: dict[int, _Slot] = {}
+        self._refs = [0] * self.num_blocks
+        self._hash: list[bytes | None] = [None] * self.num_blocks  # what each indexed block is indexed under
+        self._index: dict[bytes, int] = {}  # chain hash -> block
+        self._free: OrderedDict[int, None] = OrderedDict()  # held by no slot; evicted from the front
+        self._untouched = list(range(self.num_blocks - 1, _SCRATCH, -1))  # never handed out; popped from the end
+        # Blocks below this have been handed out (scratch included); each layer zeroes them once, before
+        # their first write (`_zeroed`: how far it has).
+        self._high_water = _SCRATCH + 1
+        self._zeroed: dict[int, int] = {}
+        self._cached = 0  # free blocks that keep an index entry
+        self.queried_tokens = 0
+        self.reused_tokens = 0
+        self._blocks_gauges = {state: KV_BLOCKS.labels(role, state) for state in ("used", "cached", "free")}
+        self._queries = PREFIX_CACHE_QUERIES.labels(role)
+        self._hits = PREFIX_CACHE_HITS.labels(role)
+        self.publish()
+
+    # --- blocks --------------------------------------------------------------------------------
+
+    def _take(self) -> int:
+        """A block for a slot to write: a never-used one, else the least recently freed (its hash dropped)."""
+        if self._untouched:
+            block = self._untouched.pop()
+            self._high_water = block + 1
+        elif self._free:
+            block, _ = self._free.popitem(last=False)
+            digest = self._hash[block]
+            if digest is not None:
+                self._cached -= 1
+                self._hash[block] = None
+                del self._index[digest]
+        else:
+            raise OutOfBlocks(f"all {self.num_blocks - 2} key-value blocks are held by sessions")
+        self._refs[block] = 1
+        return block
+
+    def _drop(self, block: int) -> None:
+        """One holder fewer; a block nobody holds stays cached (when indexed) until it is needed."""
+        self._refs[block] -= 1
+        if self._refs[block]:
+            return
+        self._free[block] = None
+        if self._hash[block] is None:
+            self._free.move_to_end(block, last=False)  # nothing worth keeping: reused first
+        else:
+            self._cached += 1
+
+    def _writable(self, slot: _Slot, index: int) -> None:
+        """Make the slot's block `index` its own before a write into it (copy-on-write)."""
+        block = slot.table[index]
+        if self._refs[block] == 1 and self._hash[block] is None:
+            return
+        copy = self._take()
+        span = self.block_tokens
+        for layer in self.keys:
+            self.zero_new_blocks(layer)
+            for tensor in (self.keys[layer], self.values[layer]):
+                tensor[copy * span : (copy + 1) * span] = tensor[block * span : (block + 1) * span]
+        slot.table[index] = copy
+        self._drop(block)
+
+    # --- what the engine calls ------------------------------------------------------------------
+
+    def truncate(self, slot_id: int, length: int) -> None:
+        """Roll the slot back to its first `length` tokens; the blocks past them are freed."""
+        slot = self._slots.get(slot_id)
+        if slot is None or len(slot.tokens) <= length:
+            return
+        keep = blocks_for(length, self.block_tokens)
+        for block in reversed(slot.table[keep:]):
+            self._drop(block)
+        del slot.table[keep:]
+        del slot.tokens[length:]
+        del slot.hashes[length // self.block_tokens :]
+
+    def release(self, slot_id: int) -> None:
+        """The slot's session is gone: its blocks are freed, the indexed ones kept as cache (the last
+        block the first evicted)."""
+        slot = self._slots.pop(slot_id, None)
+        if slot is not None:
+            for block in reversed(slot.table):
+                self._drop(block)
+            self.publish()
+
+    def reuse(self, slot_id: int, tokens: Sequence[int], most: int, salt: bytes = b"") -> int:
+        """Start an empty slot: its salt, and the longest run of cached full blocks that `tokens`
+        begins with, at most `most` tokens. Returns the tokens reused (a multiple of block_tokens)."""
+        slot = self._slots[slot_id] = _Slot(salt)
+        if not self.prefix_caching:
+            return 0
+        span = self.block_tokens
+        parent = slot.root
+        for start in range(0, max(0, most) - span + 1, span):
+            digest = chain(parent, tokens[start : start + span])
+            block = self._index.get(digest)
+            if block is None:
+                break
+            if self._refs[block] == 0:
+                del self._free[block]
+                self._cached -= 1
+            self._refs[block] += 1
+            slot.table.append(block)
+            slot.hashes.append(digest)
+            parent = digest
+        reused = len(slot.table) * span
+        slot.tokens = list(tokens[:reused])
+        self.queried_tokens += len(tokens)
+        self.reused_tokens += reused
+        self._queries.inc(len(tokens))
+        self._hits.inc(reused)
+        return reused
+
+    def prepare(self, rows: list[Row]) -> None:
+        """Blocks for every row's new tokens (rolled back first where a row starts earlier)."""
+        span = self.block_tokens
+        for row in rows:
+            slot = self._slots.get(row.slot)
+            if slot is None:
+                if row.start:
+                    raise ValueError(f"slot {row.slot} holds no tokens, and a step starts at {row.start}")
+                slot = self._slots[row.slot] = _Slot()
+            if row.start > len(slot.tokens):
+                raise ValueError(f"slot {row.slot} holds {len(slot.tokens)} tokens, and a step starts at {row.start}")
+            self.truncate(row.slot, row.start)
+            end = row.start + len(row.token_ids)
+            if end > self.max_context:
+                raise ValueError(f"{end} positions exceed the model's context of {self.max_context}")
+            if row.start % span:
+                self._writable(slot, row.start // span)
+            while len(slot.table) * span < end:
+                slot.table.append(self._take())
+            slot.tokens += row.token_ids
+
+    def commit(self, rows: list[Row]) -> None:
+        """After a forward wrote the rows' keys and values: index the blocks it filled."""
+        if self.prefix_caching:
+            span = self.block_tokens
+            for row in rows:
+                slot = self._slots[row.slot]
+                for index in range(len(slot.hashes), len(slot.tokens) // span):
+                    parent = slot.hashes[-1] if slot.hashes else slot.root
+                    digest = chain(parent, slot.tokens[index * span : (index + 1) * span])
+                    slot.hashes.append(digest)
+                    block = slot.table[index]
+                    if digest not in self._index and self._hash[block] is None:
+                        self._index[digest] = block
+                        self._hash[block] = digest
+        self.publish()
+
+    def table(self, slot_id: int) -> list[int]:
+        slot = self._slots.get(slot_id)
+        return slot.table if slot is not None else []
+
+    def held_tokens(self, slot_id: int) -> int:
+        slot = self._slots.get(slot_id)
+        return len(slot.tokens) if slot is not None else 0
+
+    # --- accounting -----------------------------------------------------------------------------
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks no session holds that keep their contents for reuse."""
+        return self._cached
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - 1 - len(self._free) - len(self._untouched)
+
+    def publish(self) -> None:
+        cached = self.cached_blocks
+        used = self.used_blocks
+        self._blocks_gauges["used"].set(used)
+        self._blocks_gauges["cached"].set(cached)
+        self._blocks_gauges["free"].set(self.num_blocks - 1 - used - cached)
+
+    def layer(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's key and value tensors, allocated on first use for keys shaped like `like` [B, H, T, D].
+
+        Uninitialised (`empty`): a block is zeroed before its first use (`zero_new_blocks`), so host
+        memory grows with the blocks used, never past the budget."""
+        if index not in self.keys:
+            shape = (self.num_blocks * self.block_tokens, like.shape[1], like.shape[3])
+            self.keys[index] = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self.values[index] = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self._zeroed[index] = 0
+        self.zero_new_blocks(index)
+        return self.keys[index], self.values[index]
+
+    def zero_new_blocks(self, layer: int) -> None:
+        """Zero the layer's blocks handed out since it last did (each block once in its life)."""
+        done, high = self._zeroed[layer], self._high_water
+        if done < high:
+            span = self.block_tokens
+            self.keys[layer][done * span : high * span] = 0
+            self.values[layer][done * span : high * span] = 0
+            self._zeroed[layer] = high
+
+
+class BatchView:
+    """One forward's window onto the block store; passed to a Hugging Face model as its `cache`.
+
+    The model calls `update(keys, values, layer)` in every attention layer: the new keys and values are
+    written at each row's positions, and the batch's keys and values up to the longest row come back,
+    gathered from each row's blocks."""
+
+    is_compileable = False
+
+    def __init__(self, store: BlockStore, rows: list[Row]) -> None:
+        device = store.device
+        self.store = store
+        self.rows = rows
+        self.width = max(len(row.token_ids) for row in rows)  # T
+        self.kv_length = max(row.start + len(row.token_ids) for row in rows)  # not from the tensors: no device sync
+        store.prepare(rows)
+        span = store.block_tokens
+        num_blocks = blocks_for(self.kv_length, span)
+        tables = torch.tensor(
+            [(store.table(row.slot) + [_SCRATCH] * num_blocks)[:num_blocks] for row in rows], dtype=torch.long
+        )  # [B, blocks]
+        counts = torch.tensor([len(row.token_ids) for row in rows])  # [B]
+        starts = torch.tensor([row.start for row in rows])  # [B]
+        offsets = torch.arange(self.width)[None] - (self.width - counts)[:, None]  # [B, T]
+        padding = offsets < 0  # [B, T]
+        positions = starts[:, None] + offsets  # [B, T] cache position of each input token
+        clamped = positions.clamp_min(0)
+        write = tables.gather(1, clamped // span) * span + clamped % span
+        self.write_index = write.masked_fill(padding, _SCRATCH * span).to(device)  # [B, T] into the layer tensor
+        self.read_index = (
+            (tables[:, :, None] * span + torch.arange(span)).reshape(len(rows), -1)[:, : self.kv_length].to(device)
+        )  # [B, L]
+        self.padding = padding.to(device)
+        self.position_ids = clamped.to(device)  # [B, T]
+        self._positions = positions.to(device)  # [B, T]
+        self._keys = torch.arange(self.kv_length, device=device)  # [L]
+        self._masks: dict[LayerAttention, torch.Tensor] = {}
+
+    def mask(self, layer: LayerAttention = GLOBAL) -> torch.Tensor:
+        """[B, 1, T, L] True where a query may attend, for a layer of this pattern (built once per view)."""
+        mask = self._masks.get(layer)
+        if mask is None:
+            visible = visible_keys(layer, self._keys, self._positions)  # [B, T, L]
+            visible |= self.padding[:, :, None] & (self._keys == 0)[None, None, :]
+            mask = self._masks[layer] = visible[:, None]
+        return mask
+
+    def input_ids(self, rows: list[Row]) -> torch.Tensor:
+        """[B, T] the rows' tokens, right-aligned (padding is token 0, never seen)."""
+        ids = torch.zeros((len(rows), self.width), dtype=torch.long)
+        for index, row in enumerate(rows):
+            ids[index, self.width - len(row.token_ids) :] = torch.tensor(row.token_ids)
+        return ids.to(self.store.device)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's keys and values [B, H, T, D]; the batch's [B, H, kv_length, D]."""
+        keys, values = self.store.layer(layer_idx, key_states)
+        keys[self.write_index] = key_states.transpose(1, 2).to(keys.dtype)  # [B, T, H, D] at each row's positions
+        values[self.write_index] = value_states.transpose(1, 2).to(values.dtype)
+        return keys[self.read_index].transpose(1, 2), values[self.read_index].transpose(1, 2)
+
+    def done(self) -> None:
+        """The forward succeeded: its full blocks become reusable."""
+        self.store.commit(self.rows)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.kv_length

@@ -1,0 +1,193 @@
+"""The batched forward over resident slots computes each session's own logits, for any mix of rows,
+in the Llama, Qwen2 and GPT-2 families; an architecture it cannot serve falls back to one session per
+forward."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from model_host.forward import BatchedForward, SerialForward, choose_forward
+from model_host.kv_blocks import BlockStore, Row
+from tests.tiny_models import tiny_llama
+
+
+def _models() -> dict:
+    torch.manual_seed(0)
+    qwen = Qwen2Config(
+        vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    gpt2 = GPT2Config(vocab_size=64, n_positions=128, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    return {
+        "llama": tiny_llama(96, seed=1, hidden=48, layers=3),
+        "qwen2": Qwen2ForCausalLM(qwen).eval(),
+        "gpt2": GPT2LMHeadModel(gpt2).eval(),
+    }
+
+
+def _store(model) -> BlockStore:
+    return BlockStore(torch.device("cpu"), torch.float32, model.config.max_position_embeddings)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_random_batches_match_each_sessions_own_forward(family, attention):
+    model = _models()[family]
+    model.config._attn_implementation = attention
+    vocab = model.get_output_embeddings().weight.shape[0]
+    forward = choose_forward(model, _store(model))
+    assert isinstance(forward, BatchedForward)
+    rng = random.Random(1)
+    sequences: dict[int, list[int]] = {slot: [] for slot in range(6)}
+    with torch.inference_mode():
+        for _ in range(40):
+            rows = []
+            for slot in sorted(rng.sample(range(6), rng.randrange(1, 6))):
+                sequence = sequences[slot]
+                if rng.random() < 0.1 or len(sequence) > 90:
+                    sequence.clear()  # the slot goes to a new session
+                else:
+                    del sequence[max(0, len(sequence) - rng.randrange(0, 4)) :]  # a rollback
+                new = [rng.randrange(vocab) for _ in range(rng.choice([1, 1, 2, 3, 5, 9]))]
+                rows.append(Row(slot, len(sequence), new, rng.randrange(0, len(new) + 1)))
+                sequence += new
+            for row, logits in zip(rows, forward(rows), strict=True):
+                if row.num_logits:
+                    want = model(torch.tensor([sequences[row.slot]])).logits[0, -row.num_logits :]
+                    assert logits is not None and torch.allclose(logits, want, atol=1e-4)
+
+
+def test_storage_is_finite_where_nothing_was_written():
+    """A batch reads every row's window up to its longest row; masked positions must hold finite values
+    (attention turns a masked NaN into a NaN output). The store is allocated uninitialised, so every
+    block handed out must have been zeroed first; the tensors never grow."""
+    model = _models()["llama"]
+    store = BlockStore(torch.device("cpu"), torch.float32, 128, max_tokens=512, block_tokens=8)
+    forward = BatchedForward(model, store)
+    with torch.inference_mode():
+        forward([Row(0, 0, [1, 2, 3], 1)])
+        shapes = {layer: tensor.shape for layer, tensor in store.keys.items()}
+        forward([Row(9, 0, list(range(1, 60)) * 2, 1)])
+        with pytest.raises(ValueError, match="context of 128"):
+            forward([Row(3, 0, list(range(1, 60)) * 3, 1)])  # beyond the context: refused
+    assert {layer: tensor.shape for layer, tensor in store.keys.items()} == shapes
+    assert shapes[0][0] == store.num_blocks * 8
+    used = store.used_blocks * 8
+    for tensor in [*store.keys.values(), *store.values.values()]:
+        assert torch.isfinite(tensor[: used + 8]).all()
+
+
+def _logits(model, tokens: list[int], count: int) -> torch.Tensor:
+    return model(torch.tensor([tokens])).logits[0, -count:]
+
+
+def _check_blocks(store: BlockStore) -> None:
+    """The store's books balance: every block is scratch, untouched, free or held, and each held block's
+    count is its holders'; indexed blocks are where the index says."""
+    holders = [0] * store.num_blocks
+    for slot in store._slots.values():
+        for block in slot.table:
+            holders[block] += 1
+        assert len(slot.table) == -(-len(slot.tokens) // store.block_tokens)
+    assert holders == store._refs
+    free, untouched = set(store._free), set(store._untouched)
+    held = {b for b, n in enumerate(holders) if n}
+    assert not (free & untouched) and not (free & held) and not (untouched & held) and 0 not in free | held
+    assert len(free) + len(untouched) + len(held) == store.num_blocks - 1
+    assert all(store._hash[block] == digest for digest, block in store._index.items())
+    assert store.cached_blocks == sum(1 for block in free if store._hash[block] is not None)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_sessions_sharing_prefixes_under_rollbacks_and_eviction_keep_their_own_logits(prefix_caching):
+    """Random sessions over a few shared prefixes, in a pool small enough that cached blocks are evicted:
+    each first step starts from the longest cached prefix (as the engine does), rollbacks reach into
+    shared blocks (copied before a write), and every logit matches the model's own forward."""
+    model = _models()["llama"]
+    store = BlockStore(torch.device("cpu"), torch.float32, 128, max_tokens=6 * 40, block_tokens=4,
+                       prefix_caching=prefix_caching)  # fmt: skip
+    forward = BatchedForward(model, store)
+    rng = random.Random(3)
+    prefixes = [[rng.randrange(96) for _ in range(rng.randrange(6, 20))] for _ in range(3)]
+    sequences: dict[int, list[int]] = {}
+    reused = 0
+    with torch.inference_mode():
+        for _ in range(60):
+            rows = []
+            for slot in sorted(rng.sample(range(6), rng.randrange(1, 5))):
+                sequence = sequences.get(slot)
+                if sequence is None or len(sequence) > 32 or rng.random() < 0.15:
+                    store.release(slot)  # the session ends; a new one takes the slot
+                    new = rng.choice(prefixes) + [rng.randrange(96) for _ in range(rng.randrange(1, 4))]
+                    start = store.reuse(slot, new, len(new) - 1)
+                    reused += start
+                    assert start % 4 == 0 and start <= len(new) - 1
+                    sequences[slot] = new
+                    rows.append(Row(slot, start, new[start:], rng.randrange(1, len(new) - start + 1)))
+                    continue
+                keep = max(0, len(sequence) - rng.randrange(0, 9))  # rollbacks into shared blocks too
+                store.truncate(slot, keep)
+                del sequence[keep:]
+                new = [rng.randrange(96) for _ in range(rng.choice([1, 2, 3, 5]))]
+                rows.append(Row(slot, keep, new, rng.randrange(0, len(new) + 1)))
+                sequence += new
+            for row, logits in zip(rows, forward(rows), strict=True):
+                if row.num_logits:
+                    assert logits is not None
+                    assert torch.allclose(logits, _logits(model, sequences[row.slot], row.num_logits), atol=1e-4)
+            _check_blocks(store)
+            assert store.used_blocks + store.cached_blocks <= store.num_blocks - 1
+    assert (reused > 0) == prefix_caching
+    assert store._untouched == [] or not prefix_caching  # the pool filled, and cached blocks were evicted
+
+
+def test_salts_never_share_a_block():
+    model = _models()["llama"]
+    store = BlockStore(torch.device("cpu"), torch.float32, 128, max_tokens=256, block_tokens=4)
+    forward = BatchedForward(model, store)
+    tokens = list(range(1, 20))
+    with torch.inference_mode():
+        assert store.reuse(0, tokens, 18, b"tenant-a") == 0
+        forward([Row(0, 0, tokens, 1)])
+        store.release(0)
+        assert store.reuse(1, tokens, 18, b"tenant-b") == 0
+        assert store.reuse(2, tokens, 18, b"") == 0
+        assert store.reuse(3, tokens, 18, b"tenant-a") == 16
+        assert store.reuse(4, tokens, 10, b"tenant-a") == 8  # at most `most` tokens, in whole blocks
+
+
+def test_a_forward_that_fails_indexes_nothing():
+    """Blocks are indexed only once a forward has written them."""
+    model = _models()["llama"]
+    store = BlockStore(torch.device("cpu"), torch.float32, 64, max_tokens=256, block_tokens=4)
+    forward = BatchedForward(model, store)
+    with torch.inference_mode(), pytest.raises(IndexError):
+        forward([Row(0, 0, [1, 2, 3, 4, 5, 6, 7, 8, 500], 1)])  # a token outside the vocabulary
+    assert not store._index
+    store.release(0)
+    _check_blocks(store)
+
+
+class _PositionBlind(LlamaForCausalLM):
+    """An architecture the batched pass cannot serve: it ignores the positions it is given."""
+
+    def forward(self, *args, position_ids=None, attention_mask=None, **kwargs):  # type: ignore[override]
+        return super().forward(*args, **kwargs)
+
+
+def test_an_unservable_architecture_falls_back_to_one_session_per_forward():
+    base = tiny_llama(96, seed=1, hidden=48, layers=2)
+    model = _PositionBlind(base.config).eval()
+    model.load_state_dict(base.state_dict())
+    forward = choose_forward(model, _store(model))
+    assert isinstance(forward, SerialForward) and not forward.batched
+    with torch.inference_mode():
+        first = forward([Row(0, 0, [5, 6, 7], 1), Row(1, 0, [8, 9], 1)])
+        again = forward([Row(0, 2, [7, 4], 2)])  # a rollback by one, then two tokens
+    assert first[1] is not None and again[0] is not None
+    assert torch.allclose(first[1], model(torch.tensor([[8, 9]])).logits[0, -1:], atol=1e-5)
+    assert torch.allclose(again[0], model(torch.tensor([[5, 6, 7, 4]])).logits[0, -2:], atol=1e-5)
