@@ -35,6 +35,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import psutil
@@ -180,7 +181,7 @@ def _run(workload: str, arm: str, rep: int, stack: LocalStack, vocab: int) -> Ru
     )
 
 
-ARMS = {
+ARMS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "chat": [("caching on", {"caching": True}), ("caching off", {"caching": False})],
     "document": [("caching on", {"caching": True}), ("caching off", {"caching": False})],
     "routing": [
@@ -197,9 +198,8 @@ def run_workload(workload: str, reps: int, pair: Path, vocab: int, log_dir: Path
     for rep in range(reps):
         for i in range(len(arms)):
             arm, options = arms[(i + rep) % len(arms)]
-            with _stack(pair, log_dir=log_dir / f"{workload}-{rep}-{i}", **options) as stack:  # type: ignore[arg-type]
-                if workload == "document":
-                    asyncio.run(document(stack.orchestrator_address, vocab, seed=7))  # warm-up: other tokens
+            with _stack(pair, log_dir=log_dir / f"{workload}-{rep}-{i}", **options) as stack:
+                asyncio.run(document(stack.orchestrator_address, vocab, seed=7))  # warm-up, on other tokens
                 runs.append(_run("chat" if workload == "routing" else workload, arm, rep, stack, vocab))
                 runs[-1].workload = workload
             print(json.dumps(asdict(runs[-1]) | {"hit_rate": runs[-1].hit_rate}), flush=True)

@@ -244,7 +244,8 @@ def test_cached_prompt_tokens_and_salts_per_api_key(target_server, tmp_path, tar
             response = gateway.client(key).completions.create(
                 model=gateway.model, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra
             )
-            return response.usage.prompt_tokens_details.cached_tokens
+            assert response.usage is not None and response.usage.prompt_tokens_details is not None
+            return int(response.usage.prompt_tokens_details.cached_tokens or 0)
 
         assert cached(plain, cache_salt="mine") == 0
         assert cached(plain, cache_salt="mine") == 32
