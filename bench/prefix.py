@@ -14,8 +14,8 @@ repetitions. Reported: time to first token per turn (median over conversations, 
 repetitions; measured by the client), throughput (output tokens over the workload's wall time), and
 the token-weighted hit rate (prompt tokens the target found cached over prompt tokens sent).
 
-- **routing**: the chat workload with 2 target replicas, cache-aware routing against
-  `--no-cache-aware-routing` (the least loaded replica, ties at random).
+- **routing**: the chat workload with 2 target replicas and users who pause up to 1 s between turns,
+  cache-aware routing against `--no-cache-aware-routing` (the least loaded replica, ties at random).
 - **memory**: a target of 16,384 tokens of context (2 layers, 1 KB of keys and values per token,
   random weights) serves 16 short requests, then one 12,000-token prompt, then 16 short requests
   again; its RSS after each phase.
@@ -54,6 +54,10 @@ DOCUMENT_TOKENS = 600
 QUESTIONS = 16
 QUESTION_TOKENS = 30
 DOCUMENT_CONCURRENCY = 4
+# Routing: users pause up to this long between turns, so that a conversation's next turn finds the
+# replicas' loads as other conversations left them (without it, the replica a turn just left is the
+# least loaded one when the next turn arrives, and least-loaded routing is sticky by accident).
+THINK_S = 1.0
 
 
 @dataclass
@@ -105,8 +109,11 @@ def _tokens(rng: random.Random, vocab: int, count: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(count)]
 
 
-async def chat(address: str, vocab: int, seed: int) -> tuple[list[Reply], list[list[Reply]], float]:
-    """The chat workload; its replies, by conversation then turn, and its wall time."""
+async def chat(
+    address: str, vocab: int, seed: int, think_s: float = 0.0
+) -> tuple[list[Reply], list[list[Reply]], float]:
+    """The chat workload; its replies, by conversation then turn, and its wall time. With `think_s`, each
+    user waits up to that long (uniformly) before the next turn."""
     rng = random.Random(seed)
     shared = _tokens(rng, vocab, SHARED_PREFIX)
     users = [[_tokens(rng, vocab, USER_TOKENS) for _ in range(TURNS)] for _ in range(CONVERSATIONS)]
@@ -116,7 +123,10 @@ async def chat(address: str, vocab: int, seed: int) -> tuple[list[Reply], list[l
         async def conversation(index: int) -> list[Reply]:
             history = list(shared)
             replies = []
+            pauses = random.Random(seed * 100 + index)
             for turn in range(TURNS):
+                if turn and think_s:
+                    await asyncio.sleep(pauses.uniform(0, think_s))
                 history += users[index][turn]
                 reply = await _generate(stub, history, ANSWER_TOKENS)
                 history += reply.output_ids
@@ -167,7 +177,8 @@ def _run(workload: str, arm: str, rep: int, stack: LocalStack, vocab: int) -> Ru
         replies, seconds = asyncio.run(document(stack.orchestrator_address, vocab, seed))
         ttft = [statistics.median(r.ttft_s for r in replies)]
     else:
-        replies, conversations, seconds = asyncio.run(chat(stack.orchestrator_address, vocab, seed))
+        think = THINK_S if workload == "routing" else 0.0
+        replies, conversations, seconds = asyncio.run(chat(stack.orchestrator_address, vocab, seed, think))
         ttft = [statistics.median(c[turn].ttft_s for c in conversations) for turn in range(TURNS)]
     return Run(
         workload,
@@ -200,8 +211,7 @@ def run_workload(workload: str, reps: int, pair: Path, vocab: int, log_dir: Path
             arm, options = arms[(i + rep) % len(arms)]
             with _stack(pair, log_dir=log_dir / f"{workload}-{rep}-{i}", **options) as stack:
                 asyncio.run(document(stack.orchestrator_address, vocab, seed=7))  # warm-up, on other tokens
-                runs.append(_run("chat" if workload == "routing" else workload, arm, rep, stack, vocab))
-                runs[-1].workload = workload
+                runs.append(_run(workload, arm, rep, stack, vocab))
             print(json.dumps(asdict(runs[-1]) | {"hit_rate": runs[-1].hit_rate}), flush=True)
     return runs
 

@@ -26,6 +26,7 @@ from model_host.forward import Forward, RowLogits
 from model_host.kv_blocks import Row
 from model_host.metrics import BATCH_SIZE, BATCH_TOKENS, ENGINE_FORWARD_SECONDS, QUEUE_SECONDS
 from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError, resource_exhausted
+from serving.memory import release_freed_memory
 
 log = structlog.get_logger(__name__)
 
@@ -130,6 +131,7 @@ class Engine:
         self.after_group: Callable[[], None] = lambda: None
         self._forward_seconds = 0.0  # running mean of one forward
         self._last_step: dict[int, float] = {}  # slot -> when its last job finished
+        self._trim_when_idle = False  # a prefill chunk ran since the engine was last idle
         self._batch_size = BATCH_SIZE.labels(role)
         self._batch_tokens = BATCH_TOKENS.labels(role)
         self._engine_forward_seconds = ENGINE_FORWARD_SECONDS.labels(role)
@@ -168,6 +170,9 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
+            if self._trim_when_idle and not self._inbox and not self._active:  # idle: nobody waits on it
+                self._trim_when_idle = False
+                release_freed_memory()  # a long prefill's scores and masks, kept by the allocator
             with self._wake:
                 while not self._inbox and not self._active and not self._stopped:
                     self._wake.wait()
@@ -280,6 +285,7 @@ class Engine:
         seconds = time.perf_counter() - started
         self._forward_seconds = 0.9 * self._forward_seconds + 0.1 * seconds if self._forward_seconds else seconds
         batch_tokens = sum(len(row.token_ids) for row in rows)
+        self._trim_when_idle |= batch_tokens >= self.limits.prefill_chunk_tokens
         self._batch_size.observe(len(rows))
         self._batch_tokens.observe(batch_tokens)
         self._engine_forward_seconds.observe(seconds)

@@ -191,3 +191,23 @@ def test_an_unservable_architecture_falls_back_to_one_session_per_forward():
     assert first[1] is not None and again[0] is not None
     assert torch.allclose(first[1], model(torch.tensor([[8, 9]])).logits[0, -1:], atol=1e-5)
     assert torch.allclose(again[0], model(torch.tensor([[5, 6, 7, 4]])).logits[0, -2:], atol=1e-5)
+
+
+def test_the_auto_budget_is_what_free_memory_holds_at_the_models_bytes_per_token(monkeypatch):
+    from types import SimpleNamespace
+
+    from model_host import kv_blocks
+    from model_host.config import parse_model_service_config
+
+    model = tiny_llama(96, seed=1, hidden=48, layers=3)  # 4 heads of 12, 2 key-value heads
+    assert kv_blocks.kv_bytes_per_token(model, torch.device("cpu")) == 3 * 2 * 2 * 12 * 4
+    loaded = SimpleNamespace(model=model, input_device=torch.device("cpu"), max_context=256)
+    monkeypatch.setattr(kv_blocks, "_host_available_bytes", lambda: 2 * 576 * 10_000)
+    assert kv_blocks.kv_budget_tokens("auto", loaded) == 10_000  # half of what is available
+    assert kv_blocks.kv_budget_tokens("4096", loaded) == 4096
+    monkeypatch.setattr(kv_blocks, "_host_available_bytes", lambda: 2 * 576 * 100)
+    with pytest.raises(ValueError, match="less than one full context"):
+        kv_blocks.kv_budget_tokens("auto", loaded)
+    assert parse_model_service_config("target", ["--model", "m", "--max-cached-tokens", "auto"]).max_cached_tokens
+    with pytest.raises(SystemExit):
+        parse_model_service_config("target", ["--model", "m", "--max-cached-tokens", "lots"])
