@@ -10,7 +10,7 @@ PAIR ?= default_models/pair
 PROMPT ?= def fibonacci(n):
 HOST ?= 127.0.0.1
 
-.PHONY: setup proto lint test test-long matrix run bench load-bench link-bench gpu-bench soak wheel image python-base image-test models evaluate clean
+.PHONY: setup proto lint test test-long matrix run bench load-bench link-bench prefix-bench gpu-bench soak wheel image python-base image-test models evaluate clean
 
 setup: $(INSTALLED) $(GENERATED)
 
@@ -69,6 +69,11 @@ load-bench: setup
 # Sampled generation across rate-limited links (network namespaces, tbf; needs root), big-vocabulary pair.
 link-bench: setup
 	$(PY) -m bench.link --rates 1gbit,10gbit --concurrency 1,8 --reps 3
+
+# Prefix caching on and off (multi-turn chat, a shared document), cache-aware routing over 2 target replicas
+# against the least loaded, and the memory of one long prompt (bench/prefix.py).
+prefix-bench: setup
+	$(PY) -m bench.prefix --reps 2 --slacks 1,2,4
 
 # On a GPU host, after installing the CUDA build of torch into $(VENV): random-weight 1B target and 100M
 # drafts built on the device, C = 1, 8, 32 (bench/gpu.py).

@@ -157,10 +157,15 @@ async def document(address: str, vocab: int, seed: int) -> tuple[list[Reply], fl
 
 
 def _stack(
-    pair: Path, caching: bool, routing: bool = True, replicas: int = 1, log_dir: Path | None = None
+    pair: Path,
+    caching: bool,
+    routing: bool = True,
+    replicas: int = 1,
+    log_dir: Path | None = None,
+    extra: Sequence[str] = (),
 ) -> LocalStack:
     service = [] if caching else ["--no-prefix-caching"]
-    orchestrator = [] if routing else ["--no-cache-aware-routing"]
+    orchestrator = [*extra] if routing else ["--no-cache-aware-routing"]
     return LocalStack(
         str(pair / "target"),
         str(pair / "draft"),
@@ -195,17 +200,24 @@ def _run(workload: str, arm: str, rep: int, stack: LocalStack, vocab: int) -> Ru
 ARMS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "chat": [("caching on", {"caching": True}), ("caching off", {"caching": False})],
     "document": [("caching on", {"caching": True}), ("caching off", {"caching": False})],
-    "routing": [
-        ("cache-aware", {"caching": True, "routing": True, "replicas": 2}),
-        ("least loaded", {"caching": True, "routing": False, "replicas": 2}),
-    ],
 }
 
 
-def run_workload(workload: str, reps: int, pair: Path, vocab: int, log_dir: Path) -> list[Run]:
+def routing_arms(slacks: Sequence[int]) -> list[tuple[str, dict[str, Any]]]:
+    """Cache-aware routing at each load slack, then the least loaded replica (the ratios' base)."""
+    arms: list[tuple[str, dict[str, Any]]] = [
+        (f"cache-aware, slack {slack}", {"caching": True, "replicas": 2, "extra": ["--route-load-slack", str(slack)]})
+        for slack in slacks
+    ]
+    return [*arms, ("least loaded", {"caching": True, "routing": False, "replicas": 2})]
+
+
+def run_workload(
+    workload: str, reps: int, pair: Path, vocab: int, log_dir: Path, slacks: Sequence[int] = (4,)
+) -> list[Run]:
     """Every arm once a repetition, in a rotated order; a fresh stack per run (nothing cached before it)."""
     runs = []
-    arms = ARMS[workload]
+    arms = routing_arms(slacks) if workload == "routing" else ARMS[workload]
     for rep in range(reps):
         for i in range(len(arms)):
             arm, options = arms[(i + rep) % len(arms)]
@@ -322,6 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--workloads", default="chat,document,routing,memory")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--slacks", default="4", help="routing: the --route-load-slack values to compare")
     args = parser.parse_args(argv)
     vocab = len(AutoTokenizer.from_pretrained(DEFAULT_PAIR / "target"))
     workloads = [w for w in args.workloads.split(",") if w]
@@ -334,7 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 result["memory"] = memory(Path(scratch) / "long-context", log_dir)
                 print(json.dumps(result["memory"], indent=1))
             else:
-                runs += run_workload(workload, args.reps, DEFAULT_PAIR, vocab, log_dir)
+                slacks = [int(s) for s in args.slacks.split(",") if s]
+                runs += run_workload(workload, args.reps, DEFAULT_PAIR, vocab, log_dir, slacks)
         rows = summarise(runs) if runs else []
     result["rows"] = rows
     result["runs"] = [asdict(r) for r in runs]

@@ -38,7 +38,7 @@ class OrchestratorConfig:
     resolve_interval_s: float = 30.0
     max_running_requests: int = 0
     cache_aware_routing: bool = True
-    route_load_slack: int = 4
+    route_load_slack: int = 2
     max_queued_requests: int = 1024
     max_queue_wait_s: float = 60.0
     metrics_port: int = 0
