@@ -170,9 +170,11 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            if self._trim_when_idle and not self._inbox and not self._active:  # idle: nobody waits on it
-                self._trim_when_idle = False
-                release_freed_memory()  # a long prefill's scores and masks, kept by the allocator
+            if not self._inbox and not self._active:  # idle: nobody waits on what follows
+                self.forward.idle()
+                if self._trim_when_idle:
+                    self._trim_when_idle = False
+                    release_freed_memory()  # a long prefill's scores and masks, kept by the allocator
             with self._wake:
                 while not self._inbox and not self._active and not self._stopped:
                     self._wake.wait()

@@ -64,6 +64,9 @@ class Forward:
     def truncate(self, slot: int, length: int) -> None:
         """The slot's session rolled back to its first `length` tokens (its next row starts there)."""
 
+    def idle(self) -> None:
+        """The engine has nothing to run: drop what only the next forward could reuse."""
+
     def reuse(self, slot: int, tokens: list[int], most: int, salt: bytes) -> int:
         """Start an empty slot from cached keys and values of a prefix of `tokens` (at most `most`
         tokens); returns how many it starts from (0 without prefix caching)."""
@@ -98,6 +101,9 @@ class PagedForward(Forward):
 
     def reuse(self, slot: int, tokens: list[int], most: int, salt: bytes) -> int:
         return self.store.reuse(slot, tokens, most, salt)
+
+    def idle(self) -> None:
+        self.store.drop_windows()
 
 
 class BatchedForward(PagedForward):

@@ -31,7 +31,7 @@ import os
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -125,13 +125,34 @@ def _host_available_bytes() -> int:
 class _Slot:
     """One session's part of the store."""
 
-    __slots__ = ("hashes", "root", "table", "tokens")
+    __slots__ = ("hashes", "root", "table", "tokens", "window")
 
     def __init__(self, salt: bytes = b"") -> None:
         self.table: list[int] = []  # block of each block_tokens positions
         self.tokens: list[int] = []  # the tokens cached, in order
         self.hashes: list[bytes] = []  # chain hash of each full block, in order (prefix caching only)
         self.root = root(salt)
+        self.window: _Window | None = None  # the window of the last forward that wrote this slot
+
+
+@dataclass(eq=False)
+class _Window:
+    """A batch's keys and values as its last forward gathered them, kept for the next forward over the
+    same sessions in the same order: a decoding batch then writes its new tokens into it instead of
+    gathering every row from the blocks again (a draft step feeds one token per forward for K
+    forwards; a decoding target batch, one a round)."""
+
+    slots: list[_Slot]  # the sessions, by identity: a slot id given to another session is another _Slot
+    valid: list[int]  # per row: how many leading positions hold the session's cached keys and values
+    capacity: int  # positions per row; the last is scratch (padding writes there)
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, capacity, kv_heads, head_dim]
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+# A window is kept with room for this many more positions a row, and at most this many windows (a
+# target alternates decoding batches and verify batches).
+_WINDOW_HEADROOM = 64
+_WINDOWS = 2
 
 
 class BlockStore:
@@ -172,6 +193,11 @@ class BlockStore:
         self._high_water = _SCRATCH + 1
         self._zeroed: dict[int, int] = {}
         self._cached = 0  # free blocks that keep an index entry
+        # Windows hold at most an eighth of the budget's positions each: with two of them, a quarter
+        # more than the blocks at most, and in practice a batch's attention working set.
+        self._windows: OrderedDict[tuple[int, ...], _Window] = OrderedDict()
+        self._window_positions = max(1, budget // 8)
+        self.windows_continued = 0  # forwards that gathered nothing
         self.queried_tokens = 0
         self.reused_tokens = 0
         self._blocks_gauges = {state: KV_BLOCKS.labels(role, state) for state in ("used", "cached", "free")}
@@ -311,6 +337,42 @@ class BlockStore:
                         self._hash[block] = digest
         self.publish()
 
+    def window(self, rows: list[Row], kv_length: int) -> tuple[_Window | None, bool]:
+        """The window for this batch (None when it would be too large) and whether it holds the rows'
+        cached positions already (else every layer gathers into it). Called after `prepare`."""
+        key = tuple(row.slot for row in rows)
+        window = self._windows.get(key)
+        if (
+            window is not None
+            and kv_length < window.capacity
+            and all(
+                self._slots[row.slot] is slot and slot.window is window and row.start <= valid
+                for row, slot, valid in zip(rows, window.slots, window.valid, strict=True)
+            )
+        ):  # the same sessions, written by no other forward since, none rolled back past what it holds
+            self._windows.move_to_end(key)
+            self.windows_continued += 1
+            window.valid = [row.start for row in rows]  # what this forward writes is valid once it ends
+            return window, True
+        capacity = kv_length + _WINDOW_HEADROOM + 1
+        if len(rows) * capacity > self._window_positions:
+            self._windows.pop(key, None)
+            for row in rows:
+                self._slots[row.slot].window = None
+            return None, False
+        window = self._windows[key] = _Window(
+            [self._slots[row.slot] for row in rows], [row.start for row in rows], capacity
+        )
+        while len(self._windows) > _WINDOWS:
+            self._windows.popitem(last=False)
+        for slot in window.slots:
+            slot.window = window
+        return window, False
+
+    def drop_windows(self) -> None:
+        """Forget every window (the engine is idle: nothing to continue, and the memory goes back)."""
+        self._windows.clear()
+
     def table(self, slot_id: int) -> list[int]:
         slot = self._slots.get(slot_id)
         return slot.table if slot is not None else []
@@ -388,10 +450,15 @@ class BatchView:
         positions = starts[:, None] + offsets  # [B, T] cache position of each input token
         clamped = positions.clamp_min(0)
         write = tables.gather(1, clamped // span) * span + clamped % span
-        self.write_index = write.masked_fill(padding, _SCRATCH * span).to(device)  # [B, T] into the layer tensor
-        self.read_index = (
-            (tables[:, :, None] * span + torch.arange(span)).reshape(len(rows), -1)[:, : self.kv_length].to(device)
-        )  # [B, L]
+        # [B * T] and [B * L]: positions in the layer tensor, row by row
+        self.write_index = write.masked_fill(padding, _SCRATCH * span).flatten().to(device)
+        read = (tables[:, :, None] * span + torch.arange(span)).reshape(len(rows), -1)[:, : self.kv_length]
+        self.read_index = read.flatten().to(device)
+        self.window, self.continuing = store.window(rows, self.kv_length)
+        if self.window is not None:  # [B * T] positions in the window: row b's at b * capacity
+            capacity = self.window.capacity
+            in_window = clamped.masked_fill(padding, capacity - 1) + torch.arange(len(rows))[:, None] * capacity
+            self.window_index = in_window.flatten().to(device)
         self.padding = padding.to(device)
         self.position_ids = clamped.to(device)  # [B, T]
         self._positions = positions.to(device)  # [B, T]
@@ -419,13 +486,36 @@ class BatchView:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's keys and values [B, H, T, D]; the batch's [B, H, kv_length, D]."""
         keys, values = self.store.layer(layer_idx, key_states)
-        keys[self.write_index] = key_states.transpose(1, 2).to(keys.dtype)  # [B, T, H, D] at each row's positions
-        values[self.write_index] = value_states.transpose(1, 2).to(values.dtype)
-        return keys[self.read_index].transpose(1, 2), values[self.read_index].transpose(1, 2)
+        # index_copy_ and index_select over flat positions, as transformers' paged cache does: 4x faster
+        # on CPU than indexing with the [B, T] and [B, L] index tensors themselves (B = 32, L = 112).
+        batch, heads, _, dim = key_states.shape
+        new_keys = key_states.transpose(1, 2).reshape(-1, heads, dim).to(keys.dtype)  # [B * T, H, D]
+        new_values = value_states.transpose(1, 2).reshape(-1, heads, dim).to(values.dtype)
+        keys.index_copy_(0, self.write_index, new_keys)
+        values.index_copy_(0, self.write_index, new_values)
+        shape = (batch, self.kv_length, heads, dim)
+        window = self.window
+        if window is None:
+            gathered_keys = keys.index_select(0, self.read_index).view(shape).transpose(1, 2)
+            gathered_values = values.index_select(0, self.read_index).view(shape).transpose(1, 2)
+            return gathered_keys, gathered_values
+        if self.continuing and layer_idx in window.keys:
+            window.keys[layer_idx].view(-1, heads, dim).index_copy_(0, self.window_index, new_keys)
+            window.values[layer_idx].view(-1, heads, dim).index_copy_(0, self.window_index, new_values)
+        else:
+            for source, kept in ((keys, window.keys), (values, window.values)):
+                buffer = source.new_empty((batch, window.capacity, heads, dim))
+                buffer[:, : self.kv_length] = source.index_select(0, self.read_index).view(shape)
+                buffer[:, self.kv_length :] = 0  # read later as positions of other rows' windows: finite
+                kept[layer_idx] = buffer
+        length = self.kv_length
+        return window.keys[layer_idx][:, :length].transpose(1, 2), window.values[layer_idx][:, :length].transpose(1, 2)
 
     def done(self) -> None:
-        """The forward succeeded: its full blocks become reusable."""
+        """The forward succeeded: its full blocks become reusable, and the window holds its tokens."""
         self.store.commit(self.rows)
+        if self.window is not None:
+            self.window.valid = [row.start + len(row.token_ids) for row in self.rows]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.kv_length

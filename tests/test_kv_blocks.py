@@ -211,3 +211,39 @@ def test_the_auto_budget_is_what_free_memory_holds_at_the_models_bytes_per_token
     assert parse_model_service_config("target", ["--model", "m", "--max-cached-tokens", "auto"]).max_cached_tokens
     with pytest.raises(SystemExit):
         parse_model_service_config("target", ["--model", "m", "--max-cached-tokens", "lots"])
+
+
+def test_batches_that_continue_over_kept_windows_keep_each_sessions_own_logits():
+    """A batch over the same sessions as the last forward that wrote them reuses its gathered window;
+    rollbacks, sessions written by other batches, new sessions and prefix hits in between must each
+    be noticed (the window is rebuilt), and every logit matches the model's own forward."""
+    model = _models()["llama"]
+    store = BlockStore(torch.device("cpu"), torch.float32, 256, max_tokens=16384, block_tokens=8)
+    forward = BatchedForward(model, store)
+    rng = random.Random(5)
+    groups = [(0, 1, 2), (3, 4), (0, 1, 2, 3, 4, 5), (2,)]
+    sequences: dict[int, list[int]] = {}
+    with torch.inference_mode():
+        for _ in range(120):
+            group = groups[0] if rng.random() < 0.5 else rng.choice(groups)  # the same batch, often
+            rows = []
+            for slot in group:
+                sequence = sequences.setdefault(slot, [])
+                if len(sequence) > 120 or rng.random() < 0.03:
+                    store.release(slot)
+                    sequence = sequences[slot] = [1, 2, 3, 4, 5, 6, 7, 8, 9, rng.randrange(96)]
+                    start = store.reuse(slot, sequence, len(sequence) - 1)
+                    rows.append(Row(slot, start, sequence[start:], 1))
+                    continue
+                keep = max(0, len(sequence) - (rng.randrange(0, 4) if rng.random() < 0.3 else 0))
+                store.truncate(slot, keep)
+                del sequence[keep:]
+                new = [rng.randrange(96) for _ in range(rng.choice([1, 1, 1, 3]))]
+                rows.append(Row(slot, keep, new, len(new)))
+                sequence += new
+            for row, logits in zip(rows, forward(rows), strict=True):
+                assert logits is not None
+                assert torch.allclose(logits, _logits(model, sequences[row.slot], row.num_logits), atol=1e-4)
+    assert store.windows_continued > 30  # the windows were really reused
+    forward.idle()
+    assert not store._windows
