@@ -3,8 +3,8 @@
 A small draft runs one token per forward pass, and at that size the cost of a Hugging Face forward is
 mostly framework overhead (module calls, output dataclasses, mask construction), not arithmetic. This
 module computes the same function directly over the model's own weight tensors, for a batch of
-sessions at once over the service's block store (model_host/kv_blocks.py, where rollback is
-moving a length), with one matrix product for the query, key and value projections (and one for the
+sessions at once over the service's block store (model_host/kv_blocks.py, where rollback frees
+the blocks past the kept length), with one matrix product for the query, key and value projections (and one for the
 gate and up projections), queries and keys rotated together, and one fused RMSNorm kernel in float32.
 At start-up `LeanDraft.attach` checks it against the model's own forward pass and declines when they
 disagree, so an unfamiliar architecture falls back to the ordinary path. Exactness never depends on

@@ -32,12 +32,15 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from model_host.attention import GLOBAL, LayerAttention, visible_keys
 from model_host.metrics import KV_BLOCKS, PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES
+
+if TYPE_CHECKING:
+    from model_host.loading import LoadedModel
 
 # vLLM's default block size; a session wastes at most one block's tail, and prefixes are shared in
 # whole blocks. `--kv-block-tokens` changes it.
@@ -87,7 +90,7 @@ def kv_bytes_per_token(model: torch.nn.Module, device: torch.device) -> int:
     return max(1, total)
 
 
-def kv_budget_tokens(setting: str | int, loaded: Any) -> int:
+def kv_budget_tokens(setting: str | int, loaded: LoadedModel) -> int:
     """`--max-cached-tokens`: a number of tokens, or `auto`: what the memory free after loading the
     weights holds (90% of the GPU's, as vLLM's default gpu_memory_utilization; on CPU half of what the
     host has available, since the host shares it with everything else)."""
@@ -198,8 +201,6 @@ class BlockStore:
         self._windows: OrderedDict[tuple[int, ...], _Window] = OrderedDict()
         self._window_positions = max(1, budget // 8)
         self.windows_continued = 0  # forwards that gathered nothing
-        self.queried_tokens = 0
-        self.reused_tokens = 0
         self._blocks_gauges = {state: KV_BLOCKS.labels(role, state) for state in ("used", "cached", "free")}
         self._queries = PREFIX_CACHE_QUERIES.labels(role)
         self._hits = PREFIX_CACHE_HITS.labels(role)
@@ -294,8 +295,6 @@ class BlockStore:
             parent = digest
         reused = len(slot.table) * span
         slot.tokens = list(tokens[:reused])
-        self.queried_tokens += len(tokens)
-        self.reused_tokens += reused
         self._queries.inc(len(tokens))
         self._hits.inc(reused)
         return reused
@@ -376,10 +375,6 @@ class BlockStore:
     def table(self, slot_id: int) -> list[int]:
         slot = self._slots.get(slot_id)
         return slot.table if slot is not None else []
-
-    def held_tokens(self, slot_id: int) -> int:
-        slot = self._slots.get(slot_id)
-        return len(slot.tokens) if slot is not None else 0
 
     # --- accounting -----------------------------------------------------------------------------
 

@@ -195,13 +195,15 @@ def test_an_unservable_architecture_falls_back_to_one_session_per_forward():
 
 def test_the_auto_budget_is_what_free_memory_holds_at_the_models_bytes_per_token(monkeypatch):
     from types import SimpleNamespace
+    from typing import cast
 
     from model_host import kv_blocks
     from model_host.config import parse_model_service_config
+    from model_host.loading import LoadedModel
 
     model = tiny_llama(96, seed=1, hidden=48, layers=3)  # 4 heads of 12, 2 key-value heads
     assert kv_blocks.kv_bytes_per_token(model, torch.device("cpu")) == 3 * 2 * 2 * 12 * 4
-    loaded = SimpleNamespace(model=model, input_device=torch.device("cpu"), max_context=256)
+    loaded = cast(LoadedModel, SimpleNamespace(model=model, input_device=torch.device("cpu"), max_context=256))
     monkeypatch.setattr(kv_blocks, "_host_available_bytes", lambda: 2 * 576 * 10_000)
     assert kv_blocks.kv_budget_tokens("auto", loaded) == 10_000  # half of what is available
     assert kv_blocks.kv_budget_tokens("4096", loaded) == 4096
