@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from model_host.attention import GLOBAL, LayerAttention, visible_keys
-from model_host.metrics import KV_BLOCKS, PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES
+from model_host.metrics import KV_BLOCKS, KV_RESIDENT_BYTES, PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES
 
 if TYPE_CHECKING:
     from model_host.loading import LoadedModel
@@ -128,14 +128,17 @@ def _host_available_bytes() -> int:
 class _Slot:
     """One session's part of the store."""
 
-    __slots__ = ("hashes", "root", "table", "tokens", "window")
+    __slots__ = ("hashes", "root", "table", "tokens", "writer")
 
     def __init__(self, salt: bytes = b"") -> None:
         self.table: list[int] = []  # block of each block_tokens positions
         self.tokens: list[int] = []  # the tokens cached, in order
         self.hashes: list[bytes] = []  # chain hash of each full block, in order (prefix caching only)
         self.root = root(salt)
-        self.window: _Window | None = None  # the window of the last forward that wrote this slot
+        # The serial of the window of the last forward that wrote this slot (0: none). A number, not the
+        # window: a slot must not keep a window alive, nor make a cycle with it that only the cyclic
+        # garbage collector would free, holding its tensors until then.
+        self.writer = 0
 
 
 @dataclass(eq=False)
@@ -145,6 +148,7 @@ class _Window:
     gathering every row from the blocks again (a draft step feeds one token per forward for K
     forwards; a decoding target batch, one a round)."""
 
+    serial: int  # unique in its store
     slots: list[_Slot]  # the sessions, by identity: a slot id given to another session is another _Slot
     valid: list[int]  # per row: how many leading positions hold the session's cached keys and values
     capacity: int  # positions per row; the last is scratch (padding writes there)
@@ -200,8 +204,10 @@ class BlockStore:
         # more than the blocks at most, and in practice a batch's attention working set.
         self._windows: OrderedDict[tuple[int, ...], _Window] = OrderedDict()
         self._window_positions = max(1, budget // 8)
+        self._serial = 0  # the last window's
         self.windows_continued = 0  # forwards that gathered nothing
         self._blocks_gauges = {state: KV_BLOCKS.labels(role, state) for state in ("used", "cached", "free")}
+        self._resident = KV_RESIDENT_BYTES.labels(role)
         self._queries = PREFIX_CACHE_QUERIES.labels(role)
         self._hits = PREFIX_CACHE_HITS.labels(role)
         self.publish()
@@ -209,8 +215,12 @@ class BlockStore:
     # --- blocks --------------------------------------------------------------------------------
 
     def _take(self) -> int:
-        """A block for a slot to write: a never-used one, else the least recently freed (its hash dropped)."""
-        if self._untouched:
+        """A block for a slot to write: a free one that caches nothing, else a never-used one, else the
+        least recently freed (its hash dropped). Never-used blocks cost memory on first use (on a host),
+        so a block with nothing worth keeping goes first; a cached one only when no other is left."""
+        if self._free and self._hash[next(iter(self._free))] is None:
+            block, _ = self._free.popitem(last=False)
+        elif self._untouched:
             block = self._untouched.pop()
             self._high_water = block + 1
         elif self._free:
@@ -345,7 +355,7 @@ class BlockStore:
             window is not None
             and kv_length < window.capacity
             and all(
-                self._slots[row.slot] is slot and slot.window is window and row.start <= valid
+                self._slots[row.slot] is slot and slot.writer == window.serial and row.start <= valid
                 for row, slot, valid in zip(rows, window.slots, window.valid, strict=True)
             )
         ):  # the same sessions, written by no other forward since, none rolled back past what it holds
@@ -357,15 +367,16 @@ class BlockStore:
         if len(rows) * capacity > self._window_positions:
             self._windows.pop(key, None)
             for row in rows:
-                self._slots[row.slot].window = None
+                self._slots[row.slot].writer = 0
             return None, False
+        self._serial += 1
         window = self._windows[key] = _Window(
-            [self._slots[row.slot] for row in rows], [row.start for row in rows], capacity
+            self._serial, [self._slots[row.slot] for row in rows], [row.start for row in rows], capacity
         )
         while len(self._windows) > _WINDOWS:
             self._windows.popitem(last=False)
         for slot in window.slots:
-            slot.window = window
+            slot.writer = window.serial
         return window, False
 
     def drop_windows(self) -> None:
@@ -393,6 +404,8 @@ class BlockStore:
         self._blocks_gauges["used"].set(used)
         self._blocks_gauges["cached"].set(cached)
         self._blocks_gauges["free"].set(self.num_blocks - 1 - used - cached)
+        per_position = sum(k.shape[1] * k.shape[2] * k.element_size() * 2 for k in self.keys.values())
+        self._resident.set(self._high_water * self.block_tokens * per_position)
 
     def layer(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's key and value tensors, allocated on first use for keys shaped like `like` [B, H, T, D].

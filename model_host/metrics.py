@@ -41,3 +41,8 @@ KV_BLOCKS = Gauge(
     "Key-value blocks by state: used (held by sessions), cached (free, kept for reuse), free",
     ["service", "state"],
 )
+KV_RESIDENT_BYTES = Gauge(
+    "specdec:kv_resident_bytes",
+    "Bytes of the key-value pool written at least once: memory the pool holds, at most its budget's",
+    ["service"],
+)
