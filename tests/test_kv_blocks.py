@@ -75,10 +75,10 @@ def test_storage_is_finite_where_nothing_was_written():
         with pytest.raises(ValueError, match="context of 128"):
             forward([Row(3, 0, list(range(1, 60)) * 3, 1)])  # beyond the context: refused
     assert {layer: tensor.shape for layer, tensor in store.keys.items()} == shapes
-    assert shapes[0][0] == store.num_blocks * 8
+    assert shapes[0][1] == store.num_blocks * 8  # [kv_heads, positions, head_dim]
     used = store.used_blocks * 8
     for tensor in [*store.keys.values(), *store.values.values()]:
-        assert torch.isfinite(tensor[: used + 8]).all()
+        assert torch.isfinite(tensor[:, : used + 8]).all()
 
 
 def _logits(model, tokens: list[int], count: int) -> torch.Tensor:
