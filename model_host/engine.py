@@ -99,6 +99,16 @@ class SlotAllocator:
         with self._lock:
             self._released.append(slot)
 
+    def released(self) -> bool:
+        """Whether slots were released since the last `recycle`."""
+        with self._lock:
+            return bool(self._released)
+
+    def leased(self) -> int:
+        """Slots that sessions hold now."""
+        with self._lock:
+            return self._next - len(self._free) - len(self._released)
+
     def recycle(self) -> list[int]:
         """Make released slots leasable again; returns them."""
         with self._lock:
@@ -151,6 +161,13 @@ class Engine:
         11-12 ms from another)."""
         self._loop()
 
+    def release(self, slot: int) -> None:
+        """A session's slot is free once the current iteration ends; the loop wakes to take it back
+        (and, after the last session, to drop what only a next step could have reused)."""
+        with self._wake:
+            self.slots.release(slot)
+            self._wake.notify()
+
     def submit(self, job: Job) -> Future[Job]:
         with self._wake:
             if self._stopped:
@@ -170,22 +187,26 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            if not self._inbox and not self._active:  # idle: nobody waits on what follows
-                self.forward.idle()
+            if not self._inbox and not self._active:  # nothing to run: nobody waits on what follows
+                if not self.slots.leased():  # and no session open: what a next step could reuse goes
+                    self.forward.idle()
                 if self._trim_when_idle:
                     self._trim_when_idle = False
                     release_freed_memory()  # a long prefill's scores and masks, kept by the allocator
             with self._wake:
-                while not self._inbox and not self._active and not self._stopped:
+                while not self._inbox and not self._active and not self._stopped and not self.slots.released():
                     self._wake.wait()
                 if self._stopped:
                     break
-                self._hold()
+                if self._inbox or self._active:
+                    self._hold()
                 entered = list(self._inbox)
                 self._inbox.clear()
             for slot in self.slots.recycle():
                 self.forward.release(slot)
                 self._last_step.pop(slot, None)
+            if not entered and not self._active:  # woken by a session's end: perhaps the last one
+                continue
             for job in entered:
                 self._enter(job)
             with torch.inference_mode():

@@ -63,7 +63,7 @@ class SlotLease:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.engine.slots.release(self.slot)
+            self.engine.release(self.slot)
 
 
 @dataclass(eq=False)
