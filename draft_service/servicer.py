@@ -23,6 +23,7 @@ from model_host.forward import Forward
 from model_host.loading import LoadedModel
 from model_host.session_servicer import SessionServicer
 from model_host.sessions import Session
+from serving.constraints import SessionConstraint, mask_logits
 from serving.errors import invalid_argument
 from serving.logits import logits_to_probs, rows_to_wire, sample_index
 from serving.sampling import SamplingParams, seeded_generator
@@ -57,29 +58,41 @@ def choose_token(
 @dataclass(eq=False)
 class DraftJob(Job):
     """Feed the new tokens, then draft: each engine iteration samples one token and feeds it back,
-    until K tokens (the last is never fed) or the draft's confidence falls below min_confidence. K = 0
-    keeps the next token's logits and drafts nothing."""
+    until K tokens (the last is never fed), an EOS, or the draft's confidence falls below
+    min_confidence. K = 0 keeps the next token's logits and drafts nothing. Under a structured output
+    each row is masked by the session's constraint, advanced by each token drafted."""
 
     params: SamplingParams = field(default_factory=SamplingParams)
     num_speculative_tokens: int = 1
     min_confidence: float = 0.0
     generator: torch.Generator | None = None
+    constraint: SessionConstraint | None = None
     token_ids: list[int] = field(default_factory=list)  # [k] drafted so far
     token_probs: list[float] = field(default_factory=list)  # [k] q(x); sampling only
     rows: list[torch.Tensor] = field(default_factory=list)  # k logit rows of [vocab]; sampling only
 
     def advance(self, logits: torch.Tensor) -> list[int] | None:
         assert self.generator is not None
+        row = logits[-1]  # [vocab]
+        constraint = self.constraint
+        if constraint is not None:
+            row = mask_logits(row[None], constraint.allowed()[None])[0]  # a new tensor: no clone needed
+        elif not self.params.greedy:
+            row = row.clone()  # a view would keep the whole batch's logits alive
         if not self.params.greedy:
-            self.rows.append(logits[-1].clone())  # a view would keep the whole batch's logits alive
+            self.rows.append(row)
         if self.num_speculative_tokens == 0:
             return None
-        token, probs, confidence = choose_token(logits[-1], self.params, self.generator, self.min_confidence > 0)
+        token, probs, confidence = choose_token(row, self.params, self.generator, self.min_confidence > 0)
         self.token_ids.append(token)
         if probs is not None:
             self.token_probs.append(float(probs[token]))
         if len(self.token_ids) == self.num_speculative_tokens or confidence < self.min_confidence:
             return None
+        if constraint is not None:
+            if constraint.is_eos(token):
+                return None  # the generation would end here: nothing to draft past it
+            constraint.consume(token)
         return [token]
 
 
@@ -126,7 +139,9 @@ class DraftServicer(
             raise invalid_argument(f"min_confidence must be in [0, 1]; got {request.min_confidence}")
         SamplingParams.from_proto(request.sampling)
 
-    def make_job(self, slot: int, request: draft_pb2.DraftRequest) -> Job:
+    def make_job(self, slot: int, request: draft_pb2.DraftRequest, constraint: SessionConstraint | None) -> Job:
+        if constraint is not None:
+            constraint.feed(request.append_token_ids, request.keep)  # committed tokens: allowed
         return DraftJob(
             slot,
             request.keep,
@@ -136,6 +151,7 @@ class DraftServicer(
             num_speculative_tokens=request.num_speculative_tokens,
             min_confidence=request.min_confidence,
             generator=seeded_generator(request.seed, self.loaded.input_device),
+            constraint=constraint,
         )
 
     def respond(self, job: Job, request: draft_pb2.DraftRequest, session: Session) -> draft_pb2.DraftResponse:

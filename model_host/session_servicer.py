@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import concurrent.futures
 import threading
 import time
 import uuid
@@ -30,6 +31,7 @@ from model_host.loading import LoadedModel
 from model_host.metrics import CACHED_TOKENS, FED_TOKENS, FORWARD_SECONDS, OPEN_SESSIONS, STEPS
 from model_host.profile import PROFILE_PREFIX_TOKENS, forward_costs, overhead_tokens
 from model_host.sessions import Session, SessionStore
+from serving.constraints import KINDS, ConstraintSpec, Grammars, SessionConstraint
 from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError, invalid_argument, resource_exhausted
 from serving.server import MESSAGE_BUDGET_BYTES
 from specdec.v1 import common_pb2
@@ -46,6 +48,11 @@ class StepRequest(Protocol):
     def keep(self) -> int: ...
     @property
     def append_token_ids(self) -> Sequence[int]: ...
+    @property
+    def structured_output(self) -> common_pb2.StructuredOutput: ...
+    @property
+    def constraint_start(self) -> int: ...
+    def HasField(self, name: str) -> bool: ...
 
 
 RequestT = TypeVar("RequestT", bound=StepRequest)
@@ -89,6 +96,7 @@ class _Link:
         self.loop_thread = threading.get_ident()
         self.sessions: dict[int, Session] = {}
         self.running: dict[int, _Pending] = {}  # session id -> its step in the engine
+        self.compiling: dict[int, asyncio.Task[None]] = {}  # session id -> its first step, compiling its constraint
         self.results: list[Any] = []  # answers ready to send
         self.wake = asyncio.Event()
         self.ended = False  # the client closed its side
@@ -168,6 +176,10 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         )
         self._links: set[_Link] = set()
         self._links_lock = threading.Lock()
+        # Structured outputs: the tokenizer's view for llguidance, built once; constraints compile on a
+        # thread of their own, neither the event loop's nor the engine's.
+        self.grammars = Grammars.for_tokenizer(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids, self.role)
+        self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-compile")
         self.draining = False  # new sessions are refused (UNAVAILABLE); links end once their sessions have
         self._to_wake: set[_Link] = set()
         self.engine.after_group = self._wake_answered
@@ -194,8 +206,9 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         """Raise INVALID_ARGUMENT for a malformed request (token ids are checked here already)."""
 
     @abc.abstractmethod
-    def make_job(self, slot: int, request: RequestT) -> Job:
-        """The engine job for a step on a session rolled back to request.keep."""
+    def make_job(self, slot: int, request: RequestT, constraint: SessionConstraint | None) -> Job:
+        """The engine job for a step on a session rolled back to request.keep (`constraint`: the
+        session's structured output, to advance over the step's tokens and mask its rows with)."""
 
     def before_responding(self, jobs: list[Job]) -> None:
         """Work over every job one wake answers, done once for all of them (the target's argmax)."""
@@ -256,6 +269,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             forward_costs=[
                 common_pb2.ForwardCost(batch_tokens=tokens, seconds=seconds) for tokens, seconds in self.forward_costs
             ],
+            structured_output_kinds=KINDS if self.grammars is not None else (),
         )
 
     def _check_common(self, request: RequestT) -> None:
@@ -318,6 +332,8 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
                     return  # a draining service lets the link end once its sessions have
         finally:
             reader.cancel()
+            for task in link.compiling.values():
+                task.cancel()
             with self._links_lock:
                 self._links.discard(link)
             for session_id in list(link.sessions):
@@ -328,11 +344,66 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             async for batch in batches:
                 link.last_active = time.monotonic()
                 for entry in batch.steps:
-                    self._entry(link, entry)
+                    spec = self._spec_to_compile(link, entry)
+                    if spec is None:
+                        self._entry(link, entry)
+                    else:  # the other sessions' steps do not wait for this one's compile
+                        link.compiling[entry.session] = asyncio.create_task(self._compile_then_enter(link, entry, spec))
                 link.wake.set()
         finally:
             link.ended = True
             link.wake.set()
+
+    def _spec_to_compile(self, link: _Link, entry: Any) -> ConstraintSpec | None:
+        """The constraint of a session's first step (keep = 0) that is not compiled yet; None for every
+        other entry, and for a malformed one (`_entry` answers it)."""
+        if entry.close or not entry.HasField("step") or entry.step.keep:
+            return None
+        if not entry.step.HasField("structured_output"):
+            return None
+        if self.grammars is None or entry.session in link.running or entry.session in link.compiling:
+            return None
+        try:
+            spec = ConstraintSpec.from_proto(entry.step.structured_output)
+        except ServiceError:
+            return None
+        return spec if spec is not None and self.grammars.cached(spec) is None else None
+
+    async def _compile_then_enter(self, link: _Link, entry: Any, spec: ConstraintSpec) -> None:
+        assert self.grammars is not None
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._compiler, self.grammars.compile, spec)
+        except Exception as exc:  # noqa: BLE001 - this session's failure
+            link.compiling.pop(entry.session, None)
+            link.results.append(self._result(entry.session, error=self._as_service_error(exc)))
+        else:
+            link.compiling.pop(entry.session, None)
+            self._entry(link, entry)
+        link.wake.set()
+
+    def _constraint(self, session: Session, request: RequestT) -> SessionConstraint | None:
+        """The session's constraint: set anew by its first step (keep = 0), kept by the others."""
+        if request.keep:
+            return session.constraint
+        session.constraint = None
+        if not request.HasField("structured_output"):
+            return None
+        spec = ConstraintSpec.from_proto(request.structured_output)
+        if spec is None:
+            return None
+        if self.grammars is None:
+            raise invalid_argument(
+                "structured_output: this replica applies no constraints (its checkpoint has no fast tokenizer); "
+                "see ModelInfo.structured_output_kinds"
+            )
+        if request.constraint_start > len(request.append_token_ids):
+            length = len(request.append_token_ids)
+            raise invalid_argument(
+                f"constraint_start {request.constraint_start} is past the sequence's {length} tokens"
+            )
+        template = self.grammars.cached(spec) or self.grammars.compile(spec)  # compiled by now (_compile_then_enter)
+        session.constraint = self.grammars.session(template, request.constraint_start)
+        return session.constraint
 
     def _entry(self, link: _Link, entry: Any) -> None:
         """Start one session's step (or close it); its answer, or its error, goes to `link.results`."""
@@ -346,7 +417,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             return
         request = entry.step
         try:
-            if session_id in link.running:
+            if session_id in link.running or session_id in link.compiling:
                 raise invalid_argument(f"session {session_id} sent a step before its last one was answered")
             self._check_common(request)
             session = link.sessions.get(session_id)
@@ -368,7 +439,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
                 return
             self.store.reserve(session, self.tokens_fed_by(request))
             assert session.cache is not None
-            job = self.make_job(session.cache.slot, request)
+            job = self.make_job(session.cache.slot, request, self._constraint(session, request))
             job.cache_salt = request.cache_salt
             pending = _Pending(session, request, job, time.perf_counter())
             future = self.engine.submit(pending.job)
@@ -461,6 +532,9 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
 
     def _close_session(self, link: _Link, session_id: int) -> None:
         """End one session of a link: its step still in the engine is cancelled, its cache freed."""
+        compiling = link.compiling.pop(session_id, None)
+        if compiling is not None:
+            compiling.cancel()
         pending = link.running.pop(session_id, None)
         if pending is not None:
             pending.job.future.cancel()  # the engine drops it before its next forward

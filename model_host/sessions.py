@@ -14,9 +14,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from serving.errors import resource_exhausted
+
+if TYPE_CHECKING:
+    from serving.constraints import SessionConstraint
 
 
 class KVCache(Protocol):
@@ -40,6 +43,7 @@ class Session:
     last_used: float = field(default=0.0)
     stepping: bool = False  # between a successful rollback and record_length: the cache is in use
     reserved: int = 0  # tokens reserved for the step under way (its length once it ends)
+    constraint: SessionConstraint | None = None  # structured output: set by the session's first step
 
     @property
     def held(self) -> bool:

@@ -12,7 +12,8 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import structlog
@@ -20,12 +21,13 @@ import torch
 
 from orchestrator.goodput import StepTimes
 from orchestrator.k_policy import KPolicy
-from orchestrator.metrics import CHOSEN_K, DRAFT_ROWS, TARGET_DISAGREEMENTS
+from orchestrator.metrics import CHOSEN_K, CONSTRAINT_VIOLATIONS, DRAFT_ROWS, TARGET_DISAGREEMENTS
 from orchestrator.ngram import NgramIndex
 from orchestrator.proposals import MODEL, NGRAM, NO_DRAFT, Draft, RowsAt, Stats, point_masses
 from orchestrator.rejection import CompactRound, Verdict, acceptance_probability, draw_uniforms, verify_greedy
 from orchestrator.sampler import BatchSampler
 from orchestrator.upstream import SessionStream
+from serving.constraints import ConstraintSpec, SessionConstraint
 from serving.errors import ServiceError, unavailable
 from serving.logits import first_rejection, rows_from_wire
 from serving.sampling import SamplingParams, seeded_generator
@@ -54,6 +56,10 @@ class GenerationRequest:
     ngram_min: int = 2
     ngram_max: int = 4
     cache_salt: bytes = b""  # sent on each session's first step (keep = 0)
+    constraint: ConstraintSpec | None = None  # structured output, sent on each session's first step
+    # The constraint compiled (an llguidance matcher in its initial state): the orchestrator's own copy
+    # checks every committed token.
+    constraint_template: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,7 @@ class ModelLimits:
     draft_max_context: int
     eos_token_ids: frozenset[int]
     draft_max_speculative_tokens: int = 16  # the draft service's cap on one step's K
+    draft_constrains: bool = False  # the draft applies structured outputs (ModelInfo.structured_output_kinds)
 
 
 class DraftAvailability:
@@ -154,6 +161,19 @@ class Generation:
         self.sampling_proto = request.sampling.to_proto()  # the same for every round
         self.stats = Stats(prompt_tokens=len(self.sequence))
         self.finish_reason: int = orchestrator_pb2.FINISH_REASON_UNSPECIFIED
+        # Structured output: the orchestrator's own matcher checks every committed token; the services
+        # get the constraint on each session's first step (keep = 0), with where it starts.
+        self.constraint: SessionConstraint | None = None
+        self.constraint_fields: dict[str, Any] = {}
+        if request.constraint is not None:
+            template = request.constraint_template
+            self.constraint = SessionConstraint(
+                template.deep_copy(), len(self.sequence), limits.vocab_size, sorted(limits.eos_token_ids)
+            )
+            self.constraint_fields = {
+                "structured_output": request.constraint.to_proto(),
+                "constraint_start": len(self.sequence),
+            }
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -276,6 +296,8 @@ class Generation:
         overlap is off, the block is not the model's, or no next round could use them."""
         if not self.request.overlap_drafting or not draft.token_ids or draft.proposer != MODEL:
             return 0
+        if self.constraint is not None and any(t in self.limits.eos_token_ids for t in draft.token_ids):
+            return 0  # a block that may end the generation: a constrained draft cannot feed past its EOS
         return self._ahead_k(produced, draft, self.policy.next_k())
 
     def _ahead_k(self, produced: int, draft: Draft, next_k: int) -> int:
@@ -349,6 +371,7 @@ class Generation:
             seed=(self.request.seed * _SEED_MIX + n) & _U64,
             min_confidence=self.request.min_confidence,
             cache_salt=self.request.cache_salt if keep == 0 else b"",
+            **(self.constraint_fields if keep == 0 and self.limits.draft_constrains else {}),
         )
 
     async def _propose(self, context: list[int], k: int) -> Draft:
@@ -419,7 +442,7 @@ class Generation:
         sampling = self.sampling_proto
         # Drawn before the step is sent: a resend after a cache miss or a failover decides with the same.
         uniforms = None if self.request.sampling.greedy else draw_uniforms(k, self.generator)
-        sampled = {}
+        sampled: dict[str, Any] = {}
         if uniforms is not None:
             sampled = {"draft_token_probs": draft.token_probs or [], "uniforms": uniforms[:k].tolist()}
         try:  # a step unanswered for --target-timeout-s raises TimeoutError (its link's timer)
@@ -432,6 +455,7 @@ class Generation:
                     num_rows=rows,
                     sampling=sampling,
                     cache_salt=self.request.cache_salt if keep == 0 else b"",
+                    **(self.constraint_fields if keep == 0 else {}),
                     **sampled,
                 ),
                 min_append=rows,  # the rows start at the last committed token
@@ -541,6 +565,8 @@ class Generation:
         """Append the round's tokens (cut after an EOS); each service's next step keeps what it shares."""
         tokens = verdict.output_token_ids
         for index, token in enumerate(tokens):
+            if self.constraint is not None:
+                self._check_allowed(token)
             if token in self.limits.eos_token_ids:
                 tokens = tokens[: index + 1]
                 self.finish_reason = orchestrator_pb2.FINISH_REASON_EOS
@@ -549,6 +575,30 @@ class Generation:
         if self.lookup is not None:
             self.lookup.extend(tokens)
         return tokens
+
+    def _check_allowed(self, token: int) -> None:
+        """Advance the request's matcher by a token about to be committed; a token the constraint does
+        not allow can only come from a bug or a faulty target replica: INTERNAL, and the replica avoided."""
+        constraint = self.constraint
+        assert constraint is not None
+        if constraint.allows(token):
+            if not constraint.is_eos(token):
+                constraint.consume(token)
+            return
+        CONSTRAINT_VIOLATIONS.inc()
+        log.error(
+            "structured_output_violation",
+            request_id=self.request.request_id,
+            token=token,
+            position=len(self.sequence),
+            generated=len(constraint.consumed),
+        )
+        self.target.reset()
+        raise ServiceError(
+            grpc.StatusCode.INTERNAL,
+            f"the target replica produced token {token}, which the structured_output constraint does not allow "
+            "there; the replica is avoided for a while: retry the request",
+        )
 
     def _check_finished(self, tokens: list[int], produced: int) -> None:
         if self.finish_reason != orchestrator_pb2.FINISH_REASON_UNSPECIFIED:

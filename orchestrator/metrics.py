@@ -32,6 +32,13 @@ DRAFT_ROWS = Counter(
 TARGET_DISAGREEMENTS = Counter(
     "specdec:target_disagreements", "Sampled rounds whose first rejection the target found elsewhere (a bug)"
 )
+CONSTRAINT_VIOLATIONS = Counter(
+    "specdec:structured_output_violations",
+    "Committed tokens a request's structured_output constraint does not allow (a bug, or a faulty target replica)",
+)
+STRUCTURED_OUTPUT_REQUESTS = Counter(
+    "specdec:structured_output_requests", "Generate requests with a structured_output constraint", ["kind"]
+)
 REQUESTS_RUNNING = Gauge("specdec:num_requests_running", "Generate calls in progress")
 TIME_TO_FIRST_TOKEN = Histogram(
     "specdec:time_to_first_token_seconds", "Time to the first streamed token", buckets=_LATENCY_BUCKETS

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import random
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import structlog
@@ -33,6 +35,7 @@ from orchestrator.routing import route_for
 from orchestrator.sampler import BatchSampler
 from orchestrator.text import TextStream, byte_table
 from orchestrator.upstream import Dial, ReplicaPool, SessionStream
+from serving.constraints import ConstraintSpec, Grammars
 from serving.errors import ServiceError, failed_precondition, invalid_argument
 from serving.protocol import (
     DRAFT_METHOD_BY_ENUM,
@@ -153,6 +156,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         running = config.max_running_requests or target_info.max_sessions * max(1, len(target_pool.replicas))
         self.admission = Admission(running, config.max_queued_requests, config.max_queue_wait_s)
         self._draft_watch: asyncio.Task[None] | None = None
+        # Structured outputs: the orchestrator checks every committed token with a matcher of its own.
+        self.grammars: Grammars | None = None
+        if target_info.structured_output_kinds:
+            self.grammars = Grammars.for_tokenizer(
+                tokenizer, target_info.vocab_size, target_info.eos_token_ids, "orchestrator"
+            )
+        self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
 
     @classmethod
     async def connect(cls, config: OrchestratorConfig) -> OrchestratorServicer:
@@ -329,6 +339,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         salt = request.cache_salt.encode()
         if len(salt) > MAX_CACHE_SALT_BYTES:
             raise invalid_argument(f"cache_salt has {len(salt)} bytes; at most {MAX_CACHE_SALT_BYTES} are accepted")
+        constraint, template = await self._constraint(request)
         generation_request = GenerationRequest(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -342,8 +353,31 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             ngram_min=cfg.ngram_min,
             ngram_max=cfg.ngram_max,
             cache_salt=salt,
+            constraint=constraint,
+            constraint_template=template,
         )
         return generation_request, policy
+
+    async def _constraint(self, request: orchestrator_pb2.GenerateRequest) -> tuple[ConstraintSpec | None, Any]:
+        """The request's structured output, compiled (off the event loop), or None; INVALID_ARGUMENT with
+        the compiler's message when it does not compile."""
+        if not request.HasField("structured_output"):
+            return None, None
+        spec = ConstraintSpec.from_proto(request.structured_output)
+        if spec is None:
+            return None, None
+        if self.grammars is None or spec.kind not in self.target_info.structured_output_kinds:
+            raise failed_precondition(
+                f"structured_output.{spec.kind} is not supported by this server's target service "
+                f"(it supports: {', '.join(self.target_info.structured_output_kinds) or 'none'})"
+            )
+        if not self.target_info.eos_token_ids:
+            raise failed_precondition("structured_output needs an EOS token to end on, and the target model has none")
+        template = self.grammars.cached(spec)
+        if template is None:
+            template = await asyncio.get_running_loop().run_in_executor(self._compiler, self.grammars.compile, spec)
+        metrics.STRUCTURED_OUTPUT_REQUESTS.labels(spec.kind).inc()
+        return spec, template
 
     def _limits(self) -> ModelLimits:
         draft_context = self.draft.info.max_context if self.draft and self.draft.info else 0
@@ -358,6 +392,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 if self.draft and self.draft.info
                 else 0
             ),
+            draft_constrains=bool(self.draft and self.draft.info and self.draft.info.structured_output_kinds),
         )
 
     def _generation(self, request: GenerationRequest, policy: str) -> Generation:

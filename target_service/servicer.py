@@ -12,6 +12,7 @@ import torch
 from model_host.engine import Job
 from model_host.session_servicer import SessionServicer
 from model_host.sessions import Session
+from serving.constraints import SessionConstraint, block_masks, mask_logits
 from serving.errors import invalid_argument
 from serving.logits import first_rejection, logits_to_probs, rows_to_wire
 from serving.sampling import SamplingParams
@@ -45,11 +46,13 @@ class VerifyJob(Job):
     """Feed the block; keep the logits of its last num_logits positions."""
 
     params: SamplingParams = field(default_factory=SamplingParams)
+    allowed: torch.Tensor | None = None  # [num_rows, vocab] bool: structured output's masks, else None
     logits: torch.Tensor | None = None  # [num_rows, vocab]
     argmax: list[int] | None = None  # greedy: the rows' argmax ids (TargetServicer.before_responding)
 
     def advance(self, logits: torch.Tensor) -> list[int] | None:
-        self.logits = logits
+        # The constrained distribution is the target's: every row is masked before anything reads it.
+        self.logits = logits if self.allowed is None else mask_logits(logits, self.allowed)
         return None
 
 
@@ -84,12 +87,20 @@ class TargetServicer(
         if not all(0.0 <= u < 1.0 for u in request.uniforms):
             raise invalid_argument("uniforms must be in [0, 1)")
 
-    def make_job(self, slot: int, request: target_pb2.VerifyRequest) -> Job:
+    def make_job(self, slot: int, request: target_pb2.VerifyRequest, constraint: SessionConstraint | None) -> Job:
         # After a block's verify the session drafts before it verifies again: no batch waits for it.
         ids = list(request.append_token_ids)
         params = SamplingParams.from_proto(request.sampling)
+        # The masks depend on the tokens alone: computed here, on the event loop, while the engine runs.
+        allowed = block_masks(constraint, ids, request.keep, request.num_rows) if constraint is not None else None
         return VerifyJob(
-            slot, request.keep, ids, request.num_rows, comes_straight_back=request.num_rows == 1, params=params
+            slot,
+            request.keep,
+            ids,
+            request.num_rows,
+            comes_straight_back=request.num_rows == 1,
+            params=params,
+            allowed=allowed,
         )
 
     def before_responding(self, jobs: list[Job]) -> None:
