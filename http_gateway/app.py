@@ -43,6 +43,8 @@ from http_gateway.openai_api import (
     stats_extension,
     usage,
 )
+from http_gateway.structured import FIELDS as STRUCTURED_FIELDS
+from http_gateway.structured import structured_output
 from serving.protocol import MAX_PROMPT_CHARS_PER_TOKEN
 from serving.security import ApiKeys
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -65,7 +67,16 @@ _DISCONNECT_POLL_S = 0.1
 _READY_TIMEOUT_S = 1.0  # an orchestrator that takes longer to answer its health check is not ready
 # gRPC refuses metadata beyond 8 KiB in all; the Authorization header is the gateway's only forwarded one.
 MAX_AUTHORIZATION_BYTES = 4096
-_COMMON_FIELDS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", *EXTENSION_FIELDS}
+_COMMON_FIELDS = {
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    *EXTENSION_FIELDS,
+    *STRUCTURED_FIELDS,
+}
 
 
 @dataclass
@@ -287,13 +298,20 @@ def create_app(
         check_fields(body, {prompt_field, *_COMMON_FIELDS})
         return metadata, body
 
+    def completed(parsed: Parsed, body: dict[str, Any], metadata: tuple[tuple[str, str], ...]) -> Parsed:
+        """What both endpoints add to the common fields: the cache salt and the structured output."""
+        parsed.request.cache_salt = cache_salt(body, metadata, salt_secret)
+        constraint = structured_output(body)
+        if constraint is not None:
+            parsed.request.structured_output.CopyFrom(constraint)
+        return parsed
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         metadata, body = await accepted(request, "prompt")
         prompt = completion_prompt(body, upstream.info.target.vocab_size, context)
         parsed = build_request(body, prompt, COMPLETIONS_DEFAULT_MAX_TOKENS, request_id(request))
-        parsed.request.cache_salt = cache_salt(body, metadata, salt_secret)
-        return await respond(request, parsed, chat=False, metadata=metadata)
+        return await respond(request, completed(parsed, body, metadata), chat=False, metadata=metadata)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -306,8 +324,7 @@ def create_app(
         default = min(upstream.info.max_new_tokens_cap, room)
         prompt = orchestrator_pb2.GenerateRequest(token_ids=orchestrator_pb2.TokenIds(ids=prompt_ids))
         parsed = build_request(body, prompt, default, request_id(request))
-        parsed.request.cache_salt = cache_salt(body, metadata, salt_secret)
-        return await respond(request, parsed, chat=True, metadata=metadata)
+        return await respond(request, completed(parsed, body, metadata), chat=True, metadata=metadata)
 
     return app
 

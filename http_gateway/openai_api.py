@@ -39,7 +39,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
 }
 _IGNORED = {"model", "user", "stream", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls"}
 

@@ -324,11 +324,11 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
                 results, link.results = link.results, []
                 for message in self._messages(results):
                     yield message
-                if reader.done() and not link.running:
+                if reader.done() and not link.running and not link.compiling:
                     reader.result()  # a broken stream raises here
                     if link.ended:
                         return
-                if self.draining and not link.sessions and not link.running:
+                if self.draining and not link.sessions and not link.running and not link.compiling:
                     return  # a draining service lets the link end once its sessions have
         finally:
             reader.cancel()

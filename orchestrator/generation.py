@@ -23,7 +23,17 @@ from orchestrator.goodput import StepTimes
 from orchestrator.k_policy import KPolicy
 from orchestrator.metrics import CHOSEN_K, CONSTRAINT_VIOLATIONS, DRAFT_ROWS, TARGET_DISAGREEMENTS
 from orchestrator.ngram import NgramIndex
-from orchestrator.proposals import MODEL, NGRAM, NO_DRAFT, Draft, RowsAt, Stats, point_masses
+from orchestrator.proposals import (
+    FORCED,
+    MODEL,
+    NGRAM,
+    NO_DRAFT,
+    POINT_MASS_PROPOSERS,
+    Draft,
+    RowsAt,
+    Stats,
+    point_masses,
+)
 from orchestrator.rejection import CompactRound, Verdict, acceptance_probability, draw_uniforms, verify_greedy
 from orchestrator.sampler import BatchSampler
 from orchestrator.upstream import SessionStream
@@ -222,6 +232,9 @@ class Generation:
     async def _block(self, produced: int, ready: Draft | None) -> tuple[Draft, int]:
         """This round's block (the lookup's, the rest of a block drafted ahead, or the draft's now), and
         how many tokens the draft is to propose beside the target's prefill instead (the first round)."""
+        draft = self._forced(produced)
+        if draft.token_ids:
+            return draft, 0
         draft = self._lookup(produced)
         if draft.token_ids:
             return draft, 0
@@ -244,6 +257,9 @@ class Generation:
 
     def _learn(self, draft: Draft, checked: Checked, produced: int, seconds: float, draft_wait: float) -> None:
         """Tell the block's policy how the round went (its verdict; its wall time but for the prefill)."""
+        self.stats.record_round(checked.verdict, draft.proposer)
+        if draft.proposer == FORCED:
+            return  # a grammar's tokens say nothing about how well either proposer guesses
         policy = self.policy
         if draft.proposer == NGRAM:
             assert self.lookup_policy is not None
@@ -251,7 +267,6 @@ class Generation:
         policy.observe(checked.verdict, draft.forward_seconds, checked.target_seconds)
         if produced:  # the first round is the prompt's prefill
             policy.observe_wall(len(draft.token_ids), seconds, draft_wait, draft.fed, draft.forward_seconds_per_token)
-        self.stats.record_round(checked.verdict, draft.proposer)
 
     def _account(self, tokens: list[int], produced: int, started: float) -> None:
         """Statistics after a round committed `tokens`, `produced` in all; whether the generation ended."""
@@ -269,6 +284,18 @@ class Generation:
         if beside.scored:
             self._observe_probe(side, beside.checked)
         return self._still_valid(side, beside.checked.verdict, beside.tokens)
+
+    def _forced(self, produced: int) -> Draft:
+        """The tokens a structured output forces next (a key, punctuation), as a block that costs no
+        draft step: a point-mass proposal, exact as a lookup's. None at K = 0 (the target alone)."""
+        if self.constraint is None or not self.request.num_speculative_tokens:
+            return NO_DRAFT
+        k = min(self.request.num_speculative_tokens, self._room(produced))
+        token_ids = self.constraint.matcher.compute_ff_tokens()[: max(0, k)]
+        if not token_ids:
+            return NO_DRAFT
+        probs = None if self.request.sampling.greedy else [1.0] * len(token_ids)
+        return Draft(token_ids=token_ids, token_probs=probs, proposer=FORCED)
 
     def _lookup(self, produced: int) -> Draft:
         """This round's prompt-lookup block, or NO_DRAFT (no lookup, no match, or K = 0 pays best)."""
@@ -529,7 +556,7 @@ class Generation:
         between devices), so the round's outcome never depends on which way the row came; a round whose
         row can be had neither way fails the request, since no exact verdict is left."""
         vocab = self.limits.vocab_size
-        if draft.proposer == NGRAM:
+        if draft.proposer in POINT_MASS_PROPOSERS:
             return point_masses([draft.token_ids[index]], vocab)[0]
         assert self.draft is not None and draft.rows_at is not None
         rows_at = draft.rows_at

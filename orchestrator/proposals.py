@@ -13,6 +13,8 @@ from specdec.v1 import orchestrator_pb2
 
 MODEL = "model"
 NGRAM = "ngram"
+FORCED = "forced"  # the tokens a structured output's grammar forces next
+POINT_MASS_PROPOSERS = (NGRAM, FORCED)  # deterministic proposals: q is a point mass on each token
 
 
 def point_masses(token_ids: list[int], vocab_size: int) -> torch.Tensor:
@@ -43,6 +45,7 @@ class Stats:
     ngram_draft_tokens: int = 0
     ngram_accepted_tokens: int = 0
     probe_rounds: int = 0  # K = 0 rounds that asked the draft for one token beside the target's step
+    forced_draft_tokens: int = 0  # tokens a structured output forced, proposed without a draft step
 
     def record_round(self, verdict: Verdict, proposer: str) -> None:
         self.rounds += 1
@@ -53,6 +56,8 @@ class Stats:
             self.ngram_rounds += 1
             self.ngram_draft_tokens += verdict.num_drafted
             self.ngram_accepted_tokens += verdict.num_accepted
+        elif proposer == FORCED:
+            self.forced_draft_tokens += verdict.num_drafted
         if len(self.accepted_per_position) < verdict.num_drafted:
             self.accepted_per_position.extend([0] * (verdict.num_drafted - len(self.accepted_per_position)))
         for position in range(verdict.num_accepted):
@@ -88,6 +93,7 @@ class Stats:
             probe_rounds=self.probe_rounds,
             target_reused_prompt_tokens=reused[0],
             draft_reused_prompt_tokens=reused[1],
+            forced_draft_tokens=self.forced_draft_tokens,
         )
 
 
@@ -108,7 +114,7 @@ class Draft:
     token_ids: list[int]  # [k]
     token_probs: list[float] | None  # [k] q(x), float32 as sampled (1 for a lookup's); None for greedy
     forward_seconds: float = 0.0  # the draft service's forward time for this block
-    proposer: str = MODEL  # MODEL (the draft service) or NGRAM (prompt lookup)
+    proposer: str = MODEL  # MODEL (the draft service), NGRAM (prompt lookup) or FORCED (a grammar's)
     fed: int = 0  # tokens the draft service was fed for this block (0: it cost no draft step)
     forward_seconds_per_token: float = 0.0  # the draft step's forward seconds per token it drafted
     rows_at: RowsAt | None = None  # a sampled model block's rows, on the draft service

@@ -11,6 +11,7 @@ prefixes. Bad constraints fail cleanly and the next request still speculates.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -18,11 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import httpx2 as httpx
 import jsonschema  # type: ignore[import-untyped]
 import llguidance
 import llguidance.hf
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from model_host.loading import LoadedModel
 from model_host.runtime import ModelServer
@@ -155,11 +158,15 @@ def test_greedy_under_a_constraint_is_the_targets_own_argmax_among_allowed_token
                 prompt, constraint, num_speculative_tokens=4, draft_method=orchestrator_pb2.DRAFT_METHOD_NGRAM
             ),
         }
+        forced = 0
         for name, message in variants.items():
             ids, _, last = generate(stack, message)
             assert ids == alone, f"{kind}, {name}, prompt {prompt!r}"
             assert last.finish_reason == alone_last.finish_reason
-        assert last.stats.rounds > 0
+            forced += last.stats.forced_draft_tokens
+        assert alone_last.stats.forced_draft_tokens == 0  # the target alone proposes nothing
+        if kind in ("json_schema", "choice"):  # keys and punctuation; a choice's rest once it is one
+            assert forced > 0
     print(f"{kind}: near ties {ties}")
 
 
@@ -334,3 +341,101 @@ def test_get_info_lists_the_supported_kinds(stack: Stack) -> None:
         info.target.structured_output_kinds
     ) == set(CONSTRAINTS)
     assert set(info.draft.structured_output_kinds) == set(CONSTRAINTS)
+
+
+# --- the OpenAI gateway -----------------------------------------------------------------------------
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}> {% endif %}"
+
+
+@pytest.fixture(scope="module")
+def gateway(stack: Stack, byte_pair: TinyPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from tests.test_gateway import _start
+
+    folder = tmp_path_factory.mktemp("byte_chat_tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(str(byte_pair.target))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    started = _start(stack.orchestrator, tokenizer=str(folder))
+    yield started
+    started.stop()
+
+
+def test_gateway_response_format_through_the_openai_package(gateway: Any) -> None:
+    client = gateway.client()
+    messages = [{"role": "user", "content": "A person, as JSON"}]
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    for response_format in (schema_format, {"type": "json_object"}):
+        completion = client.chat.completions.create(
+            model=gateway.model, messages=messages, max_tokens=64, temperature=0, response_format=response_format
+        )
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop", choice
+        value = json.loads(choice.message.content or "")
+        assert isinstance(value, dict)
+        if response_format is schema_format:
+            jsonschema.validate(value, SCHEMA)
+    text = client.chat.completions.create(
+        model=gateway.model, messages=messages, max_tokens=4, response_format={"type": "text"}
+    )
+    assert text.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    ("extra", "check"),
+    [
+        ({"structured_outputs": {"choice": ["red", "green"]}}, lambda text: text in ("red", "green")),
+        ({"guided_choice": ["yes", "no"]}, lambda text: text in ("yes", "no")),
+        ({"guided_regex": r"[a-c]{2,5}@x\.com"}, lambda text: re.fullmatch(r"[a-c]{2,5}@x\.com", text)),
+        ({"structured_outputs": {"regex": "[0-9]{3}"}}, lambda text: re.fullmatch("[0-9]{3}", text)),
+        ({"guided_json": SCHEMA}, lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None),
+        ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, lambda text: "name" in json.loads(text)),
+        ({"guided_grammar": 'start: "a" ("," "b")*'}, lambda text: re.fullmatch("a(,b)*", text)),
+    ],
+)
+def test_gateway_vllm_extensions_constrain_completions(gateway: Any, extra: dict[str, Any], check: Any) -> None:
+    completion = gateway.client().completions.create(
+        model=gateway.model, prompt="x", max_tokens=64, temperature=0, extra_body=extra
+    )
+    text = completion.choices[0].text
+    assert completion.choices[0].finish_reason == "stop"
+    assert check(text), text
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}}, "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"if": {}}, "strict": True},
+                }
+            },
+            "if",
+        ),
+        ({"guided_regex": "a(", "guided_choice": ["a"]}, "one structured output"),
+        ({"structured_outputs": {"lark": "x"}}, "structured_outputs.lark"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_regex": "a("}, "regex"),
+    ],
+)
+def test_gateway_bad_structured_outputs_are_400_naming_them(gateway: Any, extra: dict[str, Any], words: str) -> None:
+    body = {"model": gateway.model, "prompt": "x", "max_tokens": 4, **extra}
+    response = httpx.post(f"{gateway.base_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert words in response.json()["error"]["message"]
+
+
+def test_gateway_non_strict_schemas_ignore_what_cannot_be_enforced_and_stop_strings_still_apply(gateway: Any) -> None:
+    schema_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": {**SCHEMA, "if": {}}}}
+    body = {"model": gateway.model, "prompt": "x", "max_tokens": 64, "temperature": 0, "response_format": schema_format}
+    response = httpx.post(f"{gateway.base_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    jsonschema.validate(json.loads(response.json()["choices"][0]["text"]), SCHEMA)
+    body = {"model": gateway.model, "prompt": "x", "max_tokens": 64, "temperature": 0, "stop": ["@"]}
+    body["guided_regex"] = r"[a-c]{2,5}@x\.com"
+    choice = httpx.post(f"{gateway.base_url}/v1/completions", json=body, timeout=30).json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and re.fullmatch("[a-c]{2,5}", choice["text"]), choice
