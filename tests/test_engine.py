@@ -261,3 +261,43 @@ def test_the_hold_gathers_sessions_that_come_back_together(straight_back):
             assert len(forward.batches) > 1, forward.batches  # the first one started without waiting
     finally:
         engine.stop()
+
+
+class IdleCounting(FakeForward):
+    def __init__(self) -> None:
+        super().__init__()
+        self.idles = 0
+        self.released: list[int] = []
+
+    def idle(self) -> None:
+        self.idles += 1
+
+    def release(self, slot: int) -> None:
+        self.released.append(slot)
+
+
+def test_kept_buffers_survive_gaps_between_steps_and_go_after_the_last_session():
+    """Between a session's steps the engine has nothing to run, but the session's next step will reuse
+    what the last forward kept (dropping it cost the target alone 20% at 32 streams); once no session
+    holds a slot it goes."""
+    forward = IdleCounting()
+    engine = _engine(forward)
+    try:
+        slot = engine.slots.lease()
+        engine.submit(Countdown(slot, 0, [1], 1)).result(5)
+        before = forward.idles  # the engine may have idled before the slot was leased
+        for start in range(1, 4):
+            time.sleep(0.05)  # the gap before the next step: the engine has nothing to run
+            engine.submit(Countdown(slot, start, [1], 1)).result(5)
+        assert forward.idles == before
+        engine.release(slot)
+        assert wait_for(lambda: forward.released == [slot] and forward.idles >= 1)
+    finally:
+        engine.stop()
+
+
+def wait_for(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not predicate():
+        time.sleep(0.01)
+    return predicate()
