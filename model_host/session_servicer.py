@@ -578,6 +578,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
 
     def stop(self) -> None:
         self.engine.stop()
+        self._compiler.shutdown(wait=False, cancel_futures=True)
 
     def _publish_gauges(self) -> None:
         self._open_sessions.set(self.store.open_sessions)

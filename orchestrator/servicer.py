@@ -241,6 +241,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         await self.target_pool.close()
         if self.draft:
             await self.draft.pool.close()
+        self._compiler.shutdown(wait=False, cancel_futures=True)
 
     # --- GetInfo -------------------------------------------------------------------------------
 

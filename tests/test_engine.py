@@ -14,6 +14,7 @@ from model_host.forward import Forward, RowLogits
 from model_host.kv_blocks import Row
 from model_host.profile import forward_costs, overhead_tokens
 from serving.errors import ServiceError
+from tests.conftest import wait_until
 
 VOCAB = 5
 
@@ -291,13 +292,6 @@ def test_kept_buffers_survive_gaps_between_steps_and_go_after_the_last_session()
             engine.submit(Countdown(slot, start, [1], 1)).result(5)
         assert forward.idles == before
         engine.release(slot)
-        assert wait_for(lambda: forward.released == [slot] and forward.idles >= 1)
+        assert wait_until(lambda: forward.released == [slot] and forward.idles >= 1, timeout_s=5)
     finally:
         engine.stop()
-
-
-def wait_for(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not predicate():
-        time.sleep(0.01)
-    return predicate()
