@@ -439,3 +439,27 @@ def test_gateway_non_strict_schemas_ignore_what_cannot_be_enforced_and_stop_stri
     body["guided_regex"] = r"[a-c]{2,5}@x\.com"
     choice = httpx.post(f"{gateway.base_url}/v1/completions", json=body, timeout=30).json()["choices"][0]
     assert choice["finish_reason"] == "stop" and re.fullmatch("[a-c]{2,5}", choice["text"]), choice
+
+
+def test_a_killed_target_replica_mid_constrained_generation_keeps_the_output(byte_pair: TinyPair, stack: Stack) -> None:
+    """The survivor reopens the session with the whole sequence and the constraint, and replays it."""
+    constraint = CONSTRAINTS["json_schema"]
+    expected, _, _ = generate(stack, request(PROMPTS[0], constraint, num_speculative_tokens=0, max_new_tokens=64))
+    replicas = [start_target(stack.target_model), start_target(stack.target_model)]
+    addresses = ",".join(f"127.0.0.1:{replica.port}" for replica in replicas)
+    orchestrator = OrchestratorThread(orchestrator_config(addresses, stack.draft))
+    try:
+        call = orchestrator.stub.Generate(request(PROMPTS[0], constraint, num_speculative_tokens=3, max_new_tokens=64))
+        ids = list(next(call).token_ids)
+        pinned = next(r for r in replicas if r.servicer.store.open_sessions == 1)
+        pinned.stop()
+        last = None
+        for message in call:
+            ids += message.token_ids
+            last = message
+        assert ids == expected
+        assert last is not None and last.stats.session_reopens >= 1
+    finally:
+        orchestrator.stop()
+        for replica in replicas:
+            replica.stop()
