@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import statistics
 import sys
@@ -27,7 +28,6 @@ from typing import Any
 
 import grpc
 import jsonschema  # type: ignore[import-untyped]
-import llguidance
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -142,8 +142,9 @@ def masks(reps: int) -> dict[str, Any]:
                         break
                     constraint.consume(token)
                 depth = max(depth, len(constraint.consumed))
-                constraint.rollback(0)  # the whole output at once
-                assert constraint.matcher.rollback(0) and not constraint.matcher.is_error()
+                constraint.rollback(0)  # the whole output at once: back to the initial state
+                assert not constraint.consumed and not constraint.matcher.is_error()
+                assert torch.equal(constraint.allowed(), grammars.session(template, 0).allowed())
         out[name] = {
             "tokenizer_setup_s": round(setup, 3),
             "mask_us_median": round(statistics.median(times) * 1e6, 1),
@@ -152,7 +153,7 @@ def masks(reps: int) -> dict[str, Any]:
             "deepest_rollback_tokens": depth,
         }
         print(name, out[name], flush=True)
-    out["llguidance"] = llguidance.__version__ if hasattr(llguidance, "__version__") else "1.9"
+    out["llguidance"] = importlib.metadata.version("llguidance")
     return out
 
 
