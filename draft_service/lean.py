@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
 from model_host.attention import FULL, SLIDING, AttentionLayout
-from model_host.forward import CHECK_ERRORS, PagedForward, RowLogits, disagreement, split_logits, tolerance
+from model_host.forward import CHECK_ERRORS, PagedForward, RowLogits, disagreement, tolerance
 from model_host.kv_blocks import BatchView, BlockStore, Row
 
 log = structlog.get_logger(__name__)
@@ -116,9 +116,14 @@ class LeanDraft(PagedForward):
 
     def __call__(self, rows: list[Row]) -> RowLogits:
         """Feed each row's tokens after its cached ones; the logits of each row's last num_logits tokens."""
-        view = BatchView(self.store, rows)
+        with BatchView(self.store, rows) as view:
+            return view.finish(self._logits(view))
+
+    def _logits(self, view: BatchView) -> torch.Tensor:
+        """[B, kept, vocab] for the view's rows, in its order."""
+        rows = view.rows
         batch, width = len(rows), view.width
-        hidden = self.model.model.embed_tokens(view.input_ids(rows))  # [B, T, hidden]
+        hidden = self.model.model.embed_tokens(view.input_ids())  # [B, T, hidden]
         cos, sin = self.rotary(hidden, view.position_ids)  # [B, T, head_dim] each
         cos, sin = cos[:, None], sin[:, None]
         heads, kv_heads = self.num_heads, self.num_kv_heads
@@ -145,6 +150,4 @@ class LeanDraft(PagedForward):
         kept = max(1, max(row.num_logits for row in rows))
         last = self._rms_norm(hidden[:, -kept:], self.model.model.norm.weight)  # [B, kept, hidden]
         head = self.model.get_output_embeddings()
-        logits = F.linear(last, head.weight, getattr(head, "bias", None))  # [B, kept, vocab]
-        view.done()
-        return split_logits(logits, rows)
+        return F.linear(last, head.weight, getattr(head, "bias", None))  # [B, kept, vocab]

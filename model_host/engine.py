@@ -291,7 +291,6 @@ class Engine:
         return chosen
 
     def _run_group(self, group: list[tuple[Job, Row]]) -> None:
-        group.sort(key=lambda pair: pair[1].slot)  # contiguous slots need no gather
         rows = [row for _, row in group]
         started = time.perf_counter()
         try:

@@ -24,7 +24,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from model_host.attention import AttentionLayout
-from model_host.kv_blocks import BatchView, BlockStore, Row
+from model_host.kv_blocks import BatchView, BlockStore, Row, split_logits
 
 log = structlog.get_logger(__name__)
 
@@ -82,12 +82,6 @@ class Forward:
             torch.cuda.synchronize(self.device)
 
 
-def split_logits(logits: torch.Tensor, rows: list[Row]) -> RowLogits:
-    """Per row, the last num_logits of logits [B, kept, vocab] (rows are right-aligned)."""
-    kept = logits.shape[1]
-    return [logits[index, kept - row.num_logits :] if row.num_logits else None for index, row in enumerate(rows)]
-
-
 class PagedForward(Forward):
     """A forward over a `BlockStore`: releases, rollbacks and prefix reuse are the store's."""
 
@@ -129,22 +123,22 @@ class BatchedForward(PagedForward):
         )
 
     def __call__(self, rows: list[Row]) -> RowLogits:
-        view = BatchView(self.store, rows)
-        # One pattern: the mask every layer gets. Several (local and global layers): the mapping by
-        # layer type that such models take in place of the masks they would build.
-        masks = {pattern.layer_type: self._prepared(view.mask(pattern)) for pattern in self.patterns}
-        attention_mask: torch.Tensor | dict[str, torch.Tensor] = masks if len(masks) > 1 else next(iter(masks.values()))
-        kept = max(1, max(row.num_logits for row in rows))
-        output = self.model(
-            input_ids=view.input_ids(rows),
-            attention_mask=attention_mask,
-            position_ids=view.position_ids,
-            cache=view,
-            use_cache=True,
-            logits_to_keep=kept,
-        )
-        view.done()
-        return split_logits(output.logits, rows)
+        with BatchView(self.store, rows) as view:
+            # One pattern: the mask every layer gets. Several (local and global layers): the mapping by
+            # layer type that such models take in place of the masks they would build.
+            masks = {pattern.layer_type: self._prepared(view.mask(pattern)) for pattern in self.patterns}
+            attention_mask: torch.Tensor | dict[str, torch.Tensor] = (
+                masks if len(masks) > 1 else next(iter(masks.values()))
+            )
+            output = self.model(
+                input_ids=view.input_ids(),
+                attention_mask=attention_mask,
+                position_ids=view.position_ids,
+                cache=view,
+                use_cache=True,
+                logits_to_keep=max(1, max(row.num_logits for row in rows)),
+            )
+            return view.finish(output.logits)
 
 
 class SerialForward(Forward):

@@ -31,7 +31,7 @@ import os
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -71,6 +71,12 @@ def chain(parent: bytes, tokens: Sequence[int]) -> bytes:
 def root(salt: bytes) -> bytes:
     """The parent of a sequence's first block under `salt`: different salts never share a block."""
     return hashlib.blake2b(_ROOT + salt, digest_size=16).digest()
+
+
+def split_logits(logits: torch.Tensor, rows: list[Row]) -> list[torch.Tensor | None]:
+    """Per row, the last num_logits of logits [B, kept, vocab] (rows are right-aligned)."""
+    kept = logits.shape[1]
+    return [logits[index, kept - row.num_logits :] if row.num_logits else None for index, row in enumerate(rows)]
 
 
 def blocks_for(tokens: int, block_tokens: int) -> int:
@@ -143,17 +149,29 @@ class _Slot:
 
 @dataclass(eq=False)
 class _Window:
-    """A batch's keys and values as its last forward gathered them, kept for the next forward over the
-    same sessions in the same order: a decoding batch then writes its new tokens into it instead of
-    gathering every row from the blocks again (a draft step feeds one token per forward for K
-    forwards; a decoding target batch, one a round)."""
+    """Sessions' keys and values as earlier forwards gathered them, kept for the next forwards over
+    mostly the same sessions: a decoding batch writes its new tokens into it instead of gathering every
+    row from the blocks again (a draft step feeds one token per forward for K forwards; a decoding
+    target batch, one a round). Each session keeps its row while it stays in the batches that use the
+    window; a session that joins takes a row freed by one that left, and only the rows that changed are
+    gathered again (streams of different lengths end and start at different steps, and regathering
+    the whole batch each time cost a 32-row target 12% of its decoding)."""
 
-    serial: int  # unique in its store
-    slots: list[_Slot]  # the sessions, by identity: a slot id given to another session is another _Slot
+    serial: int  # unique in its store (0: a forward's own, not kept)
+    slots: list[_Slot]  # the session of each row, by identity: a slot id given to another session is another _Slot
     valid: list[int]  # per row: how many leading positions hold the session's cached keys and values
+    rows: int  # rows its buffers hold
     capacity: int  # positions per row; the last is scratch (padding writes there)
-    buffers: _Buffers  # where its keys and values live: [kv_heads, B * capacity, head_dim] per layer
-    filled: set[int] = field(default_factory=set)  # layers gathered into it
+    buffers: _Buffers  # where its keys and values live: [kv_heads, rows * capacity, head_dim] per layer
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where a forward's rows go in a window."""
+
+    window: _Window
+    order: list[int]  # the rows' index in the forward's list, by window row
+    fresh: list[int] | None  # window rows to gather from the blocks (None: every row)
 
 
 class _Buffers:
@@ -178,7 +196,7 @@ class _Buffers:
 
 
 # A window is kept with room for this many more positions a row, and at most this many windows (a
-# target alternates decoding batches and verify batches).
+# target alternates decoding batches and verify batches; with overlapped drafting, batches of two widths).
 _WINDOW_HEADROOM = 64
 _WINDOWS = 2
 
@@ -224,12 +242,13 @@ class BlockStore:
         self._cached = 0  # free blocks that keep an index entry
         # Windows hold at most an eighth of the budget's positions each: with two of them, a quarter
         # more than the blocks at most, and in practice a batch's attention working set.
-        self._windows: OrderedDict[tuple[int, ...], _Window] = OrderedDict()
+        self._windows: OrderedDict[int, _Window] = OrderedDict()  # by serial, the least recently used first
         self._spare: list[_Buffers] = []  # buffers of windows gone, for the next ones
         self.gathered = _Buffers()  # a forward's gather when it keeps no window
         self._window_positions = max(1, budget // 8)
         self._serial = 0  # the last window's
         self.windows_continued = 0  # forwards that gathered nothing
+        self.rows_gathered = 0  # rows forwards gathered from the blocks
         self._blocks_gauges = {state: KV_BLOCKS.labels(role, state) for state in ("used", "cached", "free")}
         self._resident = KV_RESIDENT_BYTES.labels(role)
         self._queries = PREFIX_CACHE_QUERIES.labels(role)
@@ -370,40 +389,88 @@ class BlockStore:
                         self._hash[block] = digest
         self.publish()
 
-    def window(self, rows: list[Row], kv_length: int) -> tuple[_Window | None, bool]:
-        """The window for this batch (None when it would be too large) and whether it holds the rows'
-        cached positions already (else every layer gathers into it). Called after `prepare`."""
-        key = tuple(row.slot for row in rows)
-        window = self._windows.get(key)
-        if (
-            window is not None
-            and kv_length < window.capacity
-            and all(
-                self._slots[row.slot] is slot and slot.writer == window.serial and row.start <= valid
-                for row, slot, valid in zip(rows, window.slots, window.valid, strict=True)
-            )
-        ):  # the same sessions, written by no other forward since, none rolled back past what it holds
-            self._windows.move_to_end(key)
-            self.windows_continued += 1
-            window.valid = [row.start for row in rows]  # what this forward writes is valid once it ends
-            return window, True
+    def place(self, rows: list[Row], kv_length: int) -> _Placement:
+        """Where this forward's rows go (called after `prepare`): the kept window that holds most of
+        their sessions, each continuing session in its own row; else a new window, or the forward's own
+        buffers when a window would be too large."""
+        slots = [self._slots[row.slot] for row in rows]
+        batch = {id(slot): index for index, slot in enumerate(slots)}
+        best, overlap = None, 0
+        for window in self._windows.values():
+            common = sum(id(slot) in batch for slot in window.slots)
+            if common > overlap:
+                best, overlap = window, common
+        if best is not None and kv_length < best.capacity and len(rows) <= best.rows:
+            self._windows.move_to_end(best.serial)
+            return self._continue(best, rows, slots, batch)
+        if best is not None:  # too short or too narrow now: a wider one replaces it
+            self._spare.append(self._windows.pop(best.serial).buffers)
         capacity = blocks_for(kv_length + _WINDOW_HEADROOM + 1, self.block_tokens) * self.block_tokens
-        if window is not None:
-            self._spare.append(self._windows.pop(key).buffers)
-        if len(rows) * capacity > self._window_positions:
-            for row in rows:
-                self._slots[row.slot].writer = 0
-            return None, False
+        room = min(len(rows) * 5 // 4 + 1, self._window_positions // capacity)  # with rows for sessions to join
+        order = list(range(len(rows)))
+        self.rows_gathered += len(rows)
+        if room < len(rows):
+            for slot in slots:
+                slot.writer = 0
+            span = self.block_tokens
+            own = blocks_for(kv_length, span) * span
+            return _Placement(_Window(0, slots, [], len(rows), own, self.gathered), order, None)
         while len(self._windows) >= _WINDOWS:
             self._spare.append(self._windows.popitem(last=False)[1].buffers)
         self._serial += 1
         buffers = self._spare.pop() if self._spare else _Buffers()
-        window = self._windows[key] = _Window(
-            self._serial, [self._slots[row.slot] for row in rows], [row.start for row in rows], capacity, buffers
+        window = self._windows[self._serial] = _Window(
+            self._serial, slots, [row.start for row in rows], room, capacity, buffers
         )
+        for slot in slots:
+            slot.writer = window.serial
+        return _Placement(window, order, None)
+
+    def _continue(self, window: _Window, rows: list[Row], slots: list[_Slot], batch: dict[int, int]) -> _Placement:
+        """Place the rows in `window`: sessions it holds keep their rows; sessions that left free theirs,
+        which joining sessions take first; the last rows move into the holes that remain. Rows that
+        joined, moved, were rolled back past what the window holds or were written by another forward
+        since are gathered again."""
+        occupant: list[int | None] = [batch.get(id(slot)) for slot in window.slots]  # batch index per row
+        stale = {  # batch indices
+            index
+            for row, index in enumerate(occupant)
+            if index is not None and (slots[index].writer != window.serial or rows[index].start > window.valid[row])
+        }
+        placed = {index for index in occupant if index is not None}
+        holes = [row for row, index in enumerate(occupant) if index is None]
+        holes.reverse()  # popped lowest first
+        fresh: set[int] = set()
+        for index in range(len(rows)):
+            if index in placed:
+                continue
+            if holes:
+                row = holes.pop()
+                occupant[row] = index
+            else:
+                row = len(occupant)
+                occupant.append(index)
+            fresh.add(row)
+        while holes:  # fewer sessions than before: the last rows fill the holes
+            row = holes.pop()
+            while occupant[-1] is None:
+                occupant.pop()
+            if row >= len(occupant):
+                break
+            occupant[row] = occupant.pop()
+            fresh.add(row)
+        while occupant[-1] is None:
+            occupant.pop()
+        order = [index for index in occupant if index is not None]
+        fresh |= {row for row, index in enumerate(order) if index in stale}
+        window.slots = [slots[index] for index in order]
+        window.valid = [rows[index].start for index in order]  # what this forward writes is valid once it ends
         for slot in window.slots:
             slot.writer = window.serial
-        return window, False
+        if not fresh:
+            self.windows_continued += 1
+        self.rows_gathered += len(fresh)
+        return _Placement(window, order, None if len(fresh) == len(order) else sorted(fresh))
 
     def drop_windows(self) -> None:
         """Forget every window and buffer (the engine is idle: nothing to continue; the memory goes back)."""
@@ -462,18 +529,21 @@ class BatchView:
     """One forward's window onto the block store; passed to a Hugging Face model as its `cache`.
 
     The model calls `update(keys, values, layer)` in every attention layer: the new keys and values are
-    written at each row's positions, and the batch's keys and values up to the longest row come back,
-    gathered from each row's blocks."""
+    written at each row's positions, and the batch's keys and values up to the longest row come back
+    from a window, gathered there from each row's blocks where it does not hold them already. The
+    forward's rows are in the window's order (`rows`); `order` maps them back."""
 
     is_compileable = False
 
     def __init__(self, store: BlockStore, rows: list[Row]) -> None:
         device = store.device
         self.store = store
-        self.rows = rows
         self.width = max(len(row.token_ids) for row in rows)  # T
         self.kv_length = max(row.start + len(row.token_ids) for row in rows)  # not from the tensors: no device sync
         store.prepare(rows)
+        placement = store.place(rows, self.kv_length)
+        self.window, self.order, self.fresh = placement.window, placement.order, placement.fresh
+        self.rows = rows = [rows[index] for index in self.order]
         span = store.block_tokens
         num_blocks = blocks_for(self.kv_length, span)
         self._tables = [store.table(row.slot) for row in rows]
@@ -487,14 +557,17 @@ class BatchView:
         write = tables.gather(1, clamped // span) * span + clamped % span
         # [B * T]: positions in the layer tensor, row by row
         self.write_index = write.masked_fill(padding, _SCRATCH * span).flatten().to(device)
-        self._read_blocks: torch.Tensor | None = None  # built when a layer gathers
-        self.window, self.continuing = store.window(rows, self.kv_length)
-        # Whole blocks are gathered (16 times fewer, larger copies: 2.5x faster than position by position)
-        self.read_positions = self.window.capacity if self.window is not None else num_blocks * span
-        if self.window is not None:  # [B * T] positions in the window: row b's at b * capacity
-            capacity = self.window.capacity
+        capacity = self.window.capacity
+        if self.fresh is not None:  # [B * T] positions in the window: row b's at b * capacity
             in_window = clamped.masked_fill(padding, capacity - 1) + torch.arange(len(rows))[:, None] * capacity
             self.window_index = in_window.flatten().to(device)
+        # Whole blocks are gathered (16 times fewer, larger copies: 2.5x faster than position by position)
+        gathered = range(len(rows)) if self.fresh is None else self.fresh
+        per_row = capacity // span
+        self.read_blocks = self._padded(per_row, gathered).flatten().to(device)  # their blocks, row by row
+        if self.fresh:  # where they go in the window
+            into = [row * per_row + offset for row in self.fresh for offset in range(per_row)]
+            self.into_blocks = torch.tensor(into, dtype=torch.long, device=device)
         self.padding = padding.to(device)
         self.position_ids = clamped.to(device)  # [B, T]
         self._positions = positions.to(device)  # [B, T]
@@ -510,10 +583,10 @@ class BatchView:
             mask = self._masks[layer] = visible[:, None]
         return mask
 
-    def input_ids(self, rows: list[Row]) -> torch.Tensor:
+    def input_ids(self) -> torch.Tensor:
         """[B, T] the rows' tokens, right-aligned (padding is token 0, never seen)."""
-        ids = torch.zeros((len(rows), self.width), dtype=torch.long)
-        for index, row in enumerate(rows):
+        ids = torch.zeros((len(self.rows), self.width), dtype=torch.long)
+        for index, row in enumerate(self.rows):
             ids[index, self.width - len(row.token_ids) :] = torch.tensor(row.token_ids)
         return ids.to(self.store.device)
 
@@ -530,45 +603,49 @@ class BatchView:
         keys.index_copy_(1, self.write_index, new_keys)
         values.index_copy_(1, self.write_index, new_values)
         window = self.window
+        kept_keys, kept_values = window.buffers.get(layer_idx, window.rows * window.capacity, keys)
+        span = self.store.block_tokens
+        for source, kept, new in ((keys, kept_keys, new_keys), (values, kept_values, new_values)):
+            blocks = source.view(heads, -1, span, dim)
+            into = kept.view(heads, -1, span, dim)
+            if self.fresh is None:  # every row, straight into place
+                torch.index_select(blocks, 1, self.read_blocks, out=into[:, : len(self.read_blocks)])
+                continue
+            if len(self.read_blocks):
+                into.index_copy_(1, self.into_blocks, blocks.index_select(1, self.read_blocks))
+            kept.index_copy_(1, self.window_index, new)  # the rows it holds: only the new tokens
+        shape = (heads, window.rows, window.capacity, dim)
         length = self.kv_length
-        if window is not None and self.continuing and layer_idx in window.filled:
-            kept_keys, kept_values = window.buffers.get(layer_idx, batch * window.capacity, keys)
-            kept_keys.index_copy_(1, self.window_index, new_keys)
-            kept_values.index_copy_(1, self.window_index, new_values)
-        else:  # gather every row's blocks, whole (16 times fewer, larger copies), into kept buffers
-            buffers = window.buffers if window is not None else self.store.gathered
-            kept_keys, kept_values = buffers.get(layer_idx, batch * self.read_positions, keys)
-            span = self.store.block_tokens
-            blocks = self.read_blocks()
-            for source, kept in ((keys, kept_keys), (values, kept_values)):
-                torch.index_select(source.view(heads, -1, span, dim), 1, blocks, out=kept.view(heads, -1, span, dim))
-            if window is not None:
-                window.filled.add(layer_idx)
-        shape = (heads, batch, self.read_positions, dim)
         return (
-            kept_keys.view(shape).transpose(0, 1)[:, :, :length],
-            kept_values.view(shape).transpose(0, 1)[:, :, :length],
+            kept_keys.view(shape)[:, :batch].transpose(0, 1)[:, :, :length],
+            kept_values.view(shape)[:, :batch].transpose(0, 1)[:, :, :length],
         )
 
-    def read_blocks(self) -> torch.Tensor:
-        """[B * read_positions / block_tokens] each row's blocks, in order. Past a row's own (a window's
-        room to grow, a shorter row) it reads the scratch block: finite, and masked."""
-        if self._read_blocks is None:
-            blocks = self._padded(self.read_positions // self.store.block_tokens)
-            self._read_blocks = blocks.flatten().to(self.store.device)
-        return self._read_blocks
+    def _padded(self, num_blocks: int, rows: Sequence[int] | None = None) -> torch.Tensor:
+        """[rows, num_blocks] each row's block table (all rows by default), cut or padded with the scratch
+        block: past a row's own blocks (a window's room to grow, a shorter row) it reads the scratch
+        block, finite and masked."""
+        tables = self._tables if rows is None else [self._tables[row] for row in rows]
+        return torch.tensor([(table + [_SCRATCH] * num_blocks)[:num_blocks] for table in tables], dtype=torch.long)
 
-    def _padded(self, num_blocks: int) -> torch.Tensor:
-        """[B, num_blocks] each row's block table, cut or padded with the scratch block."""
-        return torch.tensor(
-            [(table + [_SCRATCH] * num_blocks)[:num_blocks] for table in self._tables], dtype=torch.long
-        )
+    def __enter__(self) -> BatchView:
+        return self
 
-    def done(self) -> None:
-        """The forward succeeded: its full blocks become reusable, and the window holds its tokens."""
+    def __exit__(self, kind: type[BaseException] | None, *args: object) -> None:
+        if kind is not None:  # the forward failed part way: no row of its window may be trusted
+            for slot in self.window.slots:
+                slot.writer = 0
+
+    def finish(self, logits: torch.Tensor) -> list[torch.Tensor | None]:
+        """The forward succeeded with `logits` [B, kept, vocab] (rows in window order): its full blocks
+        become reusable, the window holds its tokens, and each row's last num_logits logits come back in
+        the order the rows were given (None where it wants none)."""
         self.store.commit(self.rows)
-        if self.window is not None:
-            self.window.valid = [row.start + len(row.token_ids) for row in self.rows]
+        self.window.valid = [row.start + len(row.token_ids) for row in self.rows]
+        given: list[torch.Tensor | None] = [None] * len(self.rows)
+        for index, row_logits in zip(self.order, split_logits(logits, self.rows), strict=True):
+            given[index] = row_logits
+        return given
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.kv_length

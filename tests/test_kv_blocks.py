@@ -268,7 +268,7 @@ def test_a_window_no_store_keeps_is_freed_at_once_without_the_cyclic_collector()
             for group in [(0, 1), (2, 3), (4, 5), (0, 2), (1, 3, 5)]:
                 rows = [Row(slot, 0, [1 + slot, 2, 3], 1) for slot in group]
                 forward(rows)
-                windows.append(weakref.ref(store._windows[group]))
+                windows.append(weakref.ref(next(reversed(store._windows.values()))))  # the newest
                 for slot in group:
                     store.release(slot)
         assert sum(ref() is not None for ref in windows) == 2, "only the two kept windows may be alive"
@@ -276,3 +276,41 @@ def test_a_window_no_store_keeps_is_freed_at_once_without_the_cyclic_collector()
         assert all(ref() is None for ref in windows)
     finally:
         gc.enable()
+
+
+def test_a_session_that_ends_and_one_that_joins_cost_one_row_not_the_batch():
+    """Streams of different lengths end at different steps. The window keeps every other session's
+    row: the joining session takes the freed row, a shrinking batch moves its last row into the hole,
+    and only those rows are gathered again; every logit still matches the model's own forward."""
+    model = _models()["llama"]
+    store = BlockStore(torch.device("cpu"), torch.float32, 256, max_tokens=16384, block_tokens=8)
+    forward = BatchedForward(model, store)
+    rng = random.Random(3)
+    sequences = {slot: [rng.randrange(96) for _ in range(5 + slot)] for slot in range(8)}
+    with torch.inference_mode():
+
+        def step(slots: list[int]) -> int:
+            before = store.rows_gathered
+            rows = []
+            for slot in slots:
+                sequence = sequences[slot]
+                start = len(sequence) - 1 if slot in store._slots else 0
+                rows.append(Row(slot, start, sequence[start:], 1))
+            for row, logits in zip(rows, forward(rows), strict=True):
+                assert logits is not None
+                assert torch.allclose(logits, _logits(model, sequences[row.slot], 1), atol=1e-4)
+                sequences[row.slot].append(int(logits[-1].argmax()))
+            return store.rows_gathered - before
+
+        assert step(list(range(8))) == 8  # a new window: every row
+        assert step(list(range(8))) == 0
+        store.release(3)  # a stream ends; a new session takes its slot number
+        sequences[3] = [rng.randrange(96) for _ in range(4)]
+        assert step(list(range(8))) == 1
+        assert step([0, 1, 2, 3, 5, 6, 7]) == 1  # slot 4 sits this step out: slot 7's row moves into its place
+        assert step([0, 1, 2, 3, 5, 6, 7]) == 0
+        assert step(list(range(8))) == 1  # and comes back
+        store.truncate(6, len(sequences[6]) - 3)  # a rollback within what the window holds
+        del sequences[6][-2:]
+        assert step(list(range(8))) == 0
+        assert store.windows_continued == 3
