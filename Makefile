@@ -58,6 +58,8 @@ bench: setup
 	$(PY) -m bench.gateway
 	$(PY) -m bench.gateway_hostile
 	$(PY) -m bench.structured
+	$(PY) -m bench.staggered --model target
+	$(PY) -m bench.staggered --model draft
 
 # Throughput and latency under 1 to 16 concurrent clients (bench/load.py).
 # Under load, 1 to 64 streams, beside Hugging Face's padded batch in the same run: the default pair, then the

@@ -414,8 +414,14 @@ class BlockStore:
     def place(self, rows: list[Row], kv_length: int) -> _Placement:
         """Where this forward's rows go (called after `prepare`): the kept window that holds most of
         their sessions, each continuing session in its own row; else a new window, or the forward's own
-        buffers when a window would be too large."""
+        buffers when a window would be too large or the forward is a prefill.
+
+        A forward wider than a window's headroom (a long prompt's chunk) keeps no window: no next step
+        of its sessions could continue in one (the next chunk outgrows it; a decoding step joins its
+        batch's window), and keeping it would evict a decoding batch's window."""
         slots = [self._slots[row.slot] for row in rows]
+        if max(len(row.token_ids) for row in rows) > _WINDOW_HEADROOM:
+            return self._own(rows, slots, kv_length)
         batch = {id(slot): index for index, slot in enumerate(slots)}
         best, overlap = None, 0
         for window in self._windows.values():
@@ -428,15 +434,11 @@ class BlockStore:
         if best is not None:  # too short or too narrow now: a wider one replaces it
             self._spare.append(self._windows.pop(best.serial).buffers)
         capacity = blocks_for(kv_length + _WINDOW_HEADROOM + 1, self.block_tokens) * self.block_tokens
-        room = min(len(rows) * 5 // 4 + 1, self._window_positions // capacity)  # with rows for sessions to join
-        order = list(range(len(rows)))
-        self.rows_gathered += len(rows)
+        # A quarter more rows for sessions to join (none under four rows: a long prompt's window is one row)
+        room = min(len(rows) + len(rows) // 4, self._window_positions // capacity)
         if room < len(rows):
-            for slot in slots:
-                slot.writer = 0
-            span = self.block_tokens
-            own = blocks_for(kv_length, span) * span
-            return _Placement(_Window(0, slots, [], len(rows), own, self.gathered), order, None)
+            return self._own(rows, slots, kv_length)
+        self.rows_gathered += len(rows)
         while len(self._windows) >= _WINDOWS:
             self._spare.append(self._windows.popitem(last=False)[1].buffers)
         self._serial += 1
@@ -446,7 +448,16 @@ class BlockStore:
         )
         for slot in slots:
             slot.writer = window.serial
-        return _Placement(window, order, None)
+        return _Placement(window, list(range(len(rows))), None)
+
+    def _own(self, rows: list[Row], slots: list[_Slot], kv_length: int) -> _Placement:
+        """A forward that keeps no window gathers into the store's scratch buffers; its sessions' rows
+        in kept windows are stale from now on."""
+        for slot in slots:
+            slot.writer = 0
+        self.rows_gathered += len(rows)
+        own = blocks_for(kv_length, self.block_tokens) * self.block_tokens
+        return _Placement(_Window(0, slots, [], len(rows), own, self.gathered), list(range(len(rows))), None)
 
     def _continue(self, window: _Window, rows: list[Row], slots: list[_Slot], batch: dict[int, int]) -> _Placement:
         """Place the rows in `window`: sessions it holds keep their rows; sessions that left free theirs,

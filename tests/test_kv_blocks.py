@@ -314,3 +314,37 @@ def test_a_session_that_ends_and_one_that_joins_cost_one_row_not_the_batch():
         del sequences[6][-2:]
         assert step(list(range(8))) == 0
         assert store.windows_continued == 3
+
+
+def test_a_long_prompts_chunk_keeps_no_window_and_the_decoding_batch_keeps_its_own():
+    """A prefill chunk wider than a window's headroom gathers into the store's scratch buffers: the
+    decoding batch's window survives it, and the prompt's session joins that window with one row."""
+    model = _models()["llama"]
+    store = BlockStore(torch.device("cpu"), torch.float32, 256, max_tokens=16384, block_tokens=8)
+    forward = BatchedForward(model, store)
+    rng = random.Random(4)
+    sequences = {slot: [rng.randrange(96) for _ in range(100)] for slot in range(4)}
+    with torch.inference_mode():
+
+        def decode(slots: range) -> None:
+            rows = [Row(slot, len(sequences[slot]), [7], 1) for slot in slots]
+            for slot in slots:
+                sequences[slot].append(7)
+            for row, logits in zip(rows, forward(rows), strict=True):
+                assert logits is not None
+                assert torch.allclose(logits, _logits(model, sequences[row.slot], 1), atol=1e-4)
+
+        forward([Row(slot, 0, sequences[slot], 1) for slot in range(4)])
+        assert not store._windows  # 100 tokens wide: a prefill
+        decode(range(4))
+        windows = list(store._windows)
+        assert len(windows) == 1
+        sequences[4] = [rng.randrange(96) for _ in range(70)]  # wider than the headroom of 64
+        (logits,) = forward([Row(4, 0, sequences[4], 1)])
+        assert logits is not None
+        assert torch.allclose(logits, _logits(model, sequences[4], 1), atol=1e-4)
+        assert list(store._windows) == windows
+        before = store.rows_gathered
+        decode(range(5))
+        assert store.rows_gathered - before == 1  # the prompt's session joins; the others keep their rows
+        assert list(store._windows) == windows

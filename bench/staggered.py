@@ -1,0 +1,100 @@
+"""The batched forward when streams end and start at different steps (`python -m bench.staggered`).
+
+C closed-loop streams over the held-out prompts, each generating its own number of tokens (32 to 95,
+so streams end at different steps and new ones take their place), run through a model service's own
+forward (the target's `BatchedForward`, the draft's `LeanDraft`) in this process, with the engine's
+split of rows into forwards by width. No gRPC, no orchestrator: what the key-value windows cost shows
+without the noise of three processes on two cores. Reports the loop's tokens per second, the median
+decode forward (every row one token), and how many rows a forward gathered from the blocks.
+
+    python -m bench.staggered --model target --concurrency 32 --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from default_models.prompts import held_out_prompts
+from draft_service.lean import LeanDraft
+from model_host.config import ModelServiceConfig
+from model_host.engine import DEFAULT_OVERHEAD_TOKENS, group_ends
+from model_host.forward import BatchedForward, Forward
+from model_host.kv_blocks import BlockStore, Row
+from model_host.loading import LoadedModel, load_model
+from tools.local_stack import DEFAULT_PAIR
+
+
+def run(loaded: LoadedModel, model: str, concurrency: int, prompts: list[list[int]]) -> dict[str, float]:
+    """One pass over 2 x C requests; the loop's figures."""
+    budget = int(ModelServiceConfig().max_cached_tokens)  # the services' default
+    store = BlockStore(loaded.input_device, loaded.dtype, loaded.max_context, budget)
+    forward: Forward | None = LeanDraft.attach(loaded.model, store) if model == "draft" else None
+    forward = forward or BatchedForward(loaded.model, store)
+    requests = [(prompts[i % len(prompts)], 32 + (i * 37) % 64) for i in range(max(len(prompts), 2 * concurrency))]
+    free: list[int] = []
+    active: dict[int, list] = {}  # slot -> [start, tokens to feed, generated, to generate]
+    decode_seconds: list[float] = []
+    forwards = tokens = 0
+    started = time.perf_counter()
+    with torch.inference_mode():
+        while requests or active:
+            while requests and len(active) < concurrency:
+                prompt, wanted = requests.pop(0)
+                slot = heapq.heappop(free) if free else len(active) + len(free)
+                start = forward.reuse(slot, prompt, len(prompt) - 1, b"")
+                active[slot] = [start, prompt[start:], 0, wanted]
+            rows = sorted((Row(slot, a[0], a[1], 1) for slot, a in active.items()), key=lambda r: len(r.token_ids))
+            first = 0
+            for end in group_ends([len(row.token_ids) for row in rows], DEFAULT_OVERHEAD_TOKENS):
+                group, first = rows[first:end], end
+                forward_started = time.perf_counter()
+                logits = forward(group)
+                if all(len(row.token_ids) == 1 for row in group):
+                    decode_seconds.append(time.perf_counter() - forward_started)
+                forwards += 1
+                for row, row_logits in zip(group, logits, strict=True):
+                    assert row_logits is not None
+                    entry = active[row.slot]
+                    entry[0] += len(row.token_ids)
+                    entry[1] = [int(row_logits[-1].argmax())]
+                    entry[2] += 1
+                    tokens += 1
+                    if entry[2] == entry[3]:
+                        del active[row.slot]
+                        forward.release(row.slot)
+                        heapq.heappush(free, row.slot)
+    seconds = time.perf_counter() - started
+    return {
+        "tokens_per_second": tokens / seconds,
+        "decode_forward_ms": 1000 * statistics.median(decode_seconds),
+        "rows_gathered_per_forward": store.rows_gathered / forwards,
+        "forwards_gathering_nothing": store.windows_continued / forwards,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=("target", "draft"), default="target")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: as a pinned service)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    loaded = load_model(str(DEFAULT_PAIR / args.model))
+    assert loaded.tokenizer is not None
+    prompts = [list(loaded.tokenizer(text)["input_ids"]) for text in held_out_prompts(24)]
+    results = [run(loaded, args.model, args.concurrency, prompts) for _ in range(args.reps)]
+    print(f"{args.model}, {args.concurrency} staggered streams, {args.reps} runs, medians:")
+    for key in results[0]:
+        print(f"  {key}: {statistics.median(r[key] for r in results):.3g}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
