@@ -17,6 +17,7 @@ import heapq
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +31,14 @@ from model_host.loading import LoadedModel, load_model
 from tools.local_stack import DEFAULT_PAIR
 
 
+@dataclass
+class _Stream:
+    start: int  # tokens cached
+    feed: list[int]  # tokens to feed next
+    wanted: int  # tokens to generate
+    generated: int = 0
+
+
 def run(loaded: LoadedModel, model: str, concurrency: int, prompts: list[list[int]]) -> dict[str, float]:
     """One pass over 2 x C requests; the loop's figures."""
     budget = int(ModelServiceConfig().max_cached_tokens)  # the services' default
@@ -37,8 +46,8 @@ def run(loaded: LoadedModel, model: str, concurrency: int, prompts: list[list[in
     forward: Forward | None = LeanDraft.attach(loaded.model, store) if model == "draft" else None
     forward = forward or BatchedForward(loaded.model, store)
     requests = [(prompts[i % len(prompts)], 32 + (i * 37) % 64) for i in range(max(len(prompts), 2 * concurrency))]
-    free: list[int] = []
-    active: dict[int, list] = {}  # slot -> [start, tokens to feed, generated, to generate]
+    free: list[int] = []  # slots of ended streams
+    active: dict[int, _Stream] = {}  # by slot
     decode_seconds: list[float] = []
     forwards = tokens = 0
     started = time.perf_counter()
@@ -46,10 +55,10 @@ def run(loaded: LoadedModel, model: str, concurrency: int, prompts: list[list[in
         while requests or active:
             while requests and len(active) < concurrency:
                 prompt, wanted = requests.pop(0)
-                slot = heapq.heappop(free) if free else len(active) + len(free)
+                slot = heapq.heappop(free) if free else len(active)  # slots in use are 0 .. len(active) - 1
                 start = forward.reuse(slot, prompt, len(prompt) - 1, b"")
-                active[slot] = [start, prompt[start:], 0, wanted]
-            rows = sorted((Row(slot, a[0], a[1], 1) for slot, a in active.items()), key=lambda r: len(r.token_ids))
+                active[slot] = _Stream(start, prompt[start:], wanted)
+            rows = sorted((Row(slot, s.start, s.feed, 1) for slot, s in active.items()), key=lambda r: len(r.token_ids))
             first = 0
             for end in group_ends([len(row.token_ids) for row in rows], DEFAULT_OVERHEAD_TOKENS):
                 group, first = rows[first:end], end
@@ -60,12 +69,12 @@ def run(loaded: LoadedModel, model: str, concurrency: int, prompts: list[list[in
                 forwards += 1
                 for row, row_logits in zip(group, logits, strict=True):
                     assert row_logits is not None
-                    entry = active[row.slot]
-                    entry[0] += len(row.token_ids)
-                    entry[1] = [int(row_logits[-1].argmax())]
-                    entry[2] += 1
+                    stream = active[row.slot]
+                    stream.start += len(row.token_ids)
+                    stream.feed = [int(row_logits[-1].argmax())]
+                    stream.generated += 1
                     tokens += 1
-                    if entry[2] == entry[3]:
+                    if stream.generated == stream.wanted:
                         del active[row.slot]
                         forward.release(row.slot)
                         heapq.heappush(free, row.slot)

@@ -20,8 +20,9 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
 from model_host.attention import FULL, SLIDING, AttentionLayout
+from model_host.batch_view import BatchView
 from model_host.forward import CHECK_ERRORS, PagedForward, RowLogits, disagreement, tolerance
-from model_host.kv_blocks import BatchView, BlockStore, Row
+from model_host.kv_blocks import BlockStore, Row
 
 log = structlog.get_logger(__name__)
 

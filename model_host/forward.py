@@ -24,7 +24,8 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from model_host.attention import AttentionLayout
-from model_host.kv_blocks import BatchView, BlockStore, Row, split_logits
+from model_host.batch_view import BatchView, split_logits
+from model_host.kv_blocks import BlockStore, Row
 
 log = structlog.get_logger(__name__)
 

@@ -17,11 +17,8 @@ no query ever sees it. Positions of a row's window that it does not hold are mas
 finite values (a block is zeroed before its first use), as attention needs: the mask is added to
 the scores, and a zero weight times a NaN value is NaN.
 
-Rows are right-aligned in a step of width T: row i's T_i new tokens sit at input positions
-T - T_i .. T - 1, so every row's last token is at T - 1 and the logits wanted are always the last
-few positions. Input position t of row i is cache position start_i + t - (T - T_i). Padding queries
-see only position 0, so nothing is undefined. A layer's queries see the cached positions its
-attention pattern allows (`BatchView.mask`: global, sliding window or chunk; model_host/attention.py).
+A forward reads and writes the store through a view (`BatchView`, model_host/batch_view.py), which
+keeps the batch's keys and values gathered in windows between forwards (`BlockStore.place`).
 """
 
 from __future__ import annotations
@@ -36,7 +33,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from model_host.attention import GLOBAL, LayerAttention, visible_keys
 from model_host.metrics import KV_BLOCKS, KV_RESIDENT_BYTES, PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES
 
 if TYPE_CHECKING:
@@ -45,7 +41,7 @@ if TYPE_CHECKING:
 # vLLM's default block size; a session wastes at most one block's tail, and prefixes are shared in
 # whole blocks. `--kv-block-tokens` changes it.
 DEFAULT_BLOCK_TOKENS = 16
-_SCRATCH = 0
+SCRATCH = 0
 _ROOT = b"specdec-kv-v1"
 
 
@@ -71,34 +67,6 @@ def chain(parent: bytes, tokens: Sequence[int]) -> bytes:
 def root(salt: bytes) -> bytes:
     """The parent of a sequence's first block under `salt`: different salts never share a block."""
     return hashlib.blake2b(_ROOT + salt, digest_size=16).digest()
-
-
-def split_logits(logits: torch.Tensor, rows: list[Row]) -> list[torch.Tensor | None]:
-    """Per row, the last num_logits of logits [B, kept, vocab] (rows are right-aligned)."""
-    kept = logits.shape[1]
-    return [
-        (row_logits if row.num_logits == kept else row_logits[kept - row.num_logits :]) if row.num_logits else None
-        for row, row_logits in zip(rows, logits.unbind(0), strict=True)
-    ]
-
-
-def _addresses(table: list[int], start: int, end: int, span: int) -> list[int]:
-    """Where cache positions start .. end - 1 of a session with block `table` live in a layer tensor."""
-    out: list[int] = []
-    position = start
-    while position < end:
-        block, offset = divmod(position, span)
-        take = min(span - offset, end - position)
-        first = table[block] * span + offset
-        out += range(first, first + take)
-        position += take
-    return out
-
-
-def _padded(table: list[int], num_blocks: int) -> list[int]:
-    """The first `num_blocks` of a block table, padded with the scratch block: past a row's own blocks
-    (a window's room to grow, a shorter row) it reads the scratch block, finite and masked."""
-    return table[:num_blocks] + [_SCRATCH] * (num_blocks - len(table))
 
 
 def blocks_for(tokens: int, block_tokens: int) -> int:
@@ -176,8 +144,8 @@ class _Window:
     row from the blocks again (a draft step feeds one token per forward for K forwards; a decoding
     target batch, one a round). Each session keeps its row while it stays in the batches that use the
     window; a session that joins takes a row freed by one that left, and only the rows that changed are
-    gathered again (streams of different lengths end and start at different steps, and regathering
-    the whole batch each time cost a 32-row target 12% of its decoding)."""
+    gathered again: streams of different lengths end and start at different steps (docs/design.md,
+    "Keys and values live in blocks")."""
 
     serial: int  # unique in its store (0: a forward's own, not kept)
     slots: list[_Slot]  # the session of each row, by identity: a slot id given to another session is another _Slot
@@ -255,10 +223,10 @@ class BlockStore:
         self._hash: list[bytes | None] = [None] * self.num_blocks  # what each indexed block is indexed under
         self._index: dict[bytes, int] = {}  # chain hash -> block
         self._free: OrderedDict[int, None] = OrderedDict()  # held by no slot; evicted from the front
-        self._untouched = list(range(self.num_blocks - 1, _SCRATCH, -1))  # never handed out; popped from the end
+        self._untouched = list(range(self.num_blocks - 1, SCRATCH, -1))  # never handed out; popped from the end
         # Blocks below this have been handed out (scratch included); each layer zeroes them once, before
         # their first write (`_zeroed`: how far it has).
-        self._high_water = _SCRATCH + 1
+        self._high_water = SCRATCH + 1
         self._zeroed: dict[int, int] = {}
         self._bytes_per_position = 0  # keys and values over the layers allocated
         self._cached = 0  # free blocks that keep an index entry
@@ -556,123 +524,3 @@ class BlockStore:
             self.keys[layer][:, done * span : high * span] = 0
             self.values[layer][:, done * span : high * span] = 0
             self._zeroed[layer] = high
-
-
-class BatchView:
-    """One forward's window onto the block store; passed to a Hugging Face model as its `cache`.
-
-    The model calls `update(keys, values, layer)` in every attention layer: the new keys and values are
-    written at each row's positions, and the batch's keys and values up to the longest row come back
-    from a window, gathered there from each row's blocks where it does not hold them already. The
-    forward's rows are in the window's order (`rows`); `order` maps them back."""
-
-    is_compileable = False
-
-    def __init__(self, store: BlockStore, rows: list[Row]) -> None:
-        device = store.device
-        self.store = store
-        self.width = max(len(row.token_ids) for row in rows)  # T
-        self.kv_length = max(row.start + len(row.token_ids) for row in rows)  # not from the tensors: no device sync
-        store.prepare(rows)
-        placement = store.place(rows, self.kv_length)
-        self.window, self.order, self.fresh = placement.window, placement.order, placement.fresh
-        self.rows = rows = [rows[index] for index in self.order]
-        # Index lists are built in Python and become one tensor each: a decoding batch's are a few
-        # dozen numbers, where a tensor expression costs a few microseconds an operation.
-        span, width, capacity = store.block_tokens, self.width, self.window.capacity
-        self._tables = [store.table(row.slot) for row in rows]
-        write: list[int] = []  # [B * T] positions in the layer tensor, row by row (padding: scratch)
-        in_window: list[int] = []  # [B * T] positions in the window: row b's at b * capacity (padding: its last)
-        positions: list[int] = []  # [B * T] each input token's cache position (padding: 0)
-        for index, (row, table) in enumerate(zip(rows, self._tables, strict=True)):
-            pad, end = width - len(row.token_ids), row.start + len(row.token_ids)
-            write += [_SCRATCH * span] * pad
-            write += _addresses(table, row.start, end, span)
-            base = index * capacity
-            in_window += [base + capacity - 1] * pad
-            in_window += range(base + row.start, base + end)
-            positions += [0] * pad
-            positions += range(row.start, end)
-        self.write_index = torch.tensor(write, dtype=torch.long, device=device)
-        if self.fresh is not None:
-            self.window_index = torch.tensor(in_window, dtype=torch.long, device=device)
-        # Padding queries sit at position 0, so every pattern lets them see key 0 alone: never undefined.
-        self.position_ids = torch.tensor(positions, dtype=torch.long, device=device).view(len(rows), width)
-        # Whole blocks are gathered (16 times fewer, larger copies: 2.5x faster than position by position)
-        per_row = capacity // span
-        gathered = range(len(rows)) if self.fresh is None else self.fresh
-        self.read_blocks = torch.tensor(  # their blocks, row by row
-            [block for index in gathered for block in _padded(self._tables[index], per_row)],
-            dtype=torch.long,
-            device=device,
-        )
-        if self.fresh:  # where they go in the window
-            into = [row * per_row + offset for row in self.fresh for offset in range(per_row)]
-            self.into_blocks = torch.tensor(into, dtype=torch.long, device=device)
-        self._keys = torch.arange(self.kv_length, device=device)  # [L]
-        self._masks: dict[LayerAttention, torch.Tensor] = {}
-
-    def mask(self, layer: LayerAttention = GLOBAL) -> torch.Tensor:
-        """[B, 1, T, L] True where a query may attend, for a layer of this pattern (built once per view)."""
-        mask = self._masks.get(layer)
-        if mask is None:
-            mask = self._masks[layer] = visible_keys(layer, self._keys, self.position_ids)[:, None]
-        return mask
-
-    def input_ids(self) -> torch.Tensor:
-        """[B, T] the rows' tokens, right-aligned (padding is token 0, never seen)."""
-        ids = [[0] * (self.width - len(row.token_ids)) + list(row.token_ids) for row in self.rows]
-        return torch.tensor(ids, dtype=torch.long, device=self.store.device)
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this step's keys and values [B, H, T, D]; the batch's [B, H, kv_length, D]."""
-        keys, values = self.store.layer(layer_idx, key_states)  # [H, positions, D]
-        # Head-major storage and index_copy_ / index_select over the positions: each head's keys of a
-        # row are contiguous, the layout attention reads fastest (2x the [B, L, H, D] view's speed).
-        batch, heads, _, dim = key_states.shape
-        new_keys = key_states.transpose(0, 1).reshape(heads, -1, dim).to(keys.dtype)  # [H, B * T, D]
-        new_values = value_states.transpose(0, 1).reshape(heads, -1, dim).to(values.dtype)
-        keys.index_copy_(1, self.write_index, new_keys)
-        values.index_copy_(1, self.write_index, new_values)
-        window = self.window
-        kept_keys, kept_values = window.buffers.get(layer_idx, window.rows * window.capacity, keys)
-        span = self.store.block_tokens
-        for source, kept, new in ((keys, kept_keys, new_keys), (values, kept_values, new_values)):
-            blocks = source.view(heads, -1, span, dim)
-            into = kept.view(heads, -1, span, dim)
-            if self.fresh is None:  # every row, straight into place
-                torch.index_select(blocks, 1, self.read_blocks, out=into[:, : len(self.read_blocks)])
-                continue
-            if len(self.read_blocks):
-                into.index_copy_(1, self.into_blocks, blocks.index_select(1, self.read_blocks))
-            kept.index_copy_(1, self.window_index, new)  # the rows it holds: only the new tokens
-        shape = (heads, window.rows, window.capacity, dim)
-        length = self.kv_length
-        return (
-            kept_keys.view(shape)[:, :batch].transpose(0, 1)[:, :, :length],
-            kept_values.view(shape)[:, :batch].transpose(0, 1)[:, :, :length],
-        )
-
-    def __enter__(self) -> BatchView:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, *args: object) -> None:
-        if kind is not None:  # the forward failed part way: no row of its window may be trusted
-            for slot in self.window.slots:
-                slot.writer = 0
-
-    def finish(self, logits: torch.Tensor) -> list[torch.Tensor | None]:
-        """The forward succeeded with `logits` [B, kept, vocab] (rows in window order): its full blocks
-        become reusable, the window holds its tokens, and each row's last num_logits logits come back in
-        the order the rows were given (None where it wants none)."""
-        self.store.commit(self.rows)
-        self.window.valid = [row.start + len(row.token_ids) for row in self.rows]
-        given: list[torch.Tensor | None] = [None] * len(self.rows)
-        for index, row_logits in zip(self.order, split_logits(logits, self.rows), strict=True):
-            given[index] = row_logits
-        return given
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.kv_length

@@ -348,3 +348,31 @@ def test_a_long_prompts_chunk_keeps_no_window_and_the_decoding_batch_keeps_its_o
         decode(range(5))
         assert store.rows_gathered - before == 1  # the prompt's session joins; the others keep their rows
         assert list(store._windows) == windows
+
+
+def test_a_forward_that_fails_before_the_model_runs_leaves_no_row_trusted(monkeypatch):
+    """A view that fails after its rows were placed (here while building its indices) must not let
+    the next forward read a row it never gathered (a session written outside the window since): it
+    is gathered again, and the logits are exact."""
+    from model_host import batch_view
+
+    model = _models()["llama"]
+    store = BlockStore(torch.device("cpu"), torch.float32, 256, max_tokens=16384, block_tokens=8)
+    forward = BatchedForward(model, store)
+    rng = random.Random(6)
+    sequences = {slot: [rng.randrange(96) for _ in range(5 + slot)] for slot in range(3)}
+    with torch.inference_mode():
+        forward([Row(slot, 0, sequences[slot], 1) for slot in range(3)])
+        sequences[1] += [rng.randrange(96) for _ in range(70)]  # a wide step: written outside the window
+        forward([Row(1, len(sequences[1]) - 70, sequences[1][-70:], 1)])
+        rows = [Row(slot, len(sequences[slot]), [5 + slot], 1) for slot in range(3)]
+        real = batch_view._addresses
+        monkeypatch.setattr(batch_view, "_addresses", lambda *args: (_ for _ in ()).throw(MemoryError("index")))
+        with pytest.raises(MemoryError):
+            forward(rows)
+        monkeypatch.setattr(batch_view, "_addresses", real)
+        for slot in range(3):
+            sequences[slot].append(5 + slot)
+        for row, logits in zip(rows, forward(rows), strict=True):
+            assert logits is not None
+            assert torch.allclose(logits, _logits(model, sequences[row.slot], 1), atol=1e-4)
