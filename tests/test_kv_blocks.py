@@ -215,13 +215,18 @@ def test_the_auto_budget_is_what_free_memory_holds_at_the_models_bytes_per_token
         parse_model_service_config("target", ["--model", "m", "--max-cached-tokens", "lots"])
 
 
+def _windowed() -> tuple[LlamaForCausalLM, BlockStore, BatchedForward]:
+    """The tiny Llama over a store of blocks of 8 whose budget leaves room for windows."""
+    model = _models()["llama"]
+    store = BlockStore(torch.device("cpu"), torch.float32, 256, max_tokens=16384, block_tokens=8)
+    return model, store, BatchedForward(model, store)
+
+
 def test_batches_that_continue_over_kept_windows_keep_each_sessions_own_logits():
     """A batch over the same sessions as the last forward that wrote them reuses its gathered window;
     rollbacks, sessions written by other batches, new sessions and prefix hits in between must each
     be noticed (the window is rebuilt), and every logit matches the model's own forward."""
-    model = _models()["llama"]
-    store = BlockStore(torch.device("cpu"), torch.float32, 256, max_tokens=16384, block_tokens=8)
-    forward = BatchedForward(model, store)
+    model, store, forward = _windowed()
     rng = random.Random(5)
     groups = [(0, 1, 2), (3, 4), (0, 1, 2, 3, 4, 5), (2,)]
     sequences: dict[int, list[int]] = {}
@@ -282,9 +287,7 @@ def test_a_session_that_ends_and_one_that_joins_cost_one_row_not_the_batch():
     """Streams of different lengths end at different steps. The window keeps every other session's
     row: the joining session takes the freed row, a shrinking batch moves its last row into the hole,
     and only those rows are gathered again; every logit still matches the model's own forward."""
-    model = _models()["llama"]
-    store = BlockStore(torch.device("cpu"), torch.float32, 256, max_tokens=16384, block_tokens=8)
-    forward = BatchedForward(model, store)
+    model, store, forward = _windowed()
     rng = random.Random(3)
     sequences = {slot: [rng.randrange(96) for _ in range(5 + slot)] for slot in range(8)}
     with torch.inference_mode():
@@ -319,9 +322,7 @@ def test_a_session_that_ends_and_one_that_joins_cost_one_row_not_the_batch():
 def test_a_long_prompts_chunk_keeps_no_window_and_the_decoding_batch_keeps_its_own():
     """A prefill chunk wider than a window's headroom gathers into the store's scratch buffers: the
     decoding batch's window survives it, and the prompt's session joins that window with one row."""
-    model = _models()["llama"]
-    store = BlockStore(torch.device("cpu"), torch.float32, 256, max_tokens=16384, block_tokens=8)
-    forward = BatchedForward(model, store)
+    model, store, forward = _windowed()
     rng = random.Random(4)
     sequences = {slot: [rng.randrange(96) for _ in range(100)] for slot in range(4)}
     with torch.inference_mode():
@@ -356,9 +357,7 @@ def test_a_forward_that_fails_before_the_model_runs_leaves_no_row_trusted(monkey
     is gathered again, and the logits are exact."""
     from model_host import batch_view
 
-    model = _models()["llama"]
-    store = BlockStore(torch.device("cpu"), torch.float32, 256, max_tokens=16384, block_tokens=8)
-    forward = BatchedForward(model, store)
+    model, _, forward = _windowed()
     rng = random.Random(6)
     sequences = {slot: [rng.randrange(96) for _ in range(5 + slot)] for slot in range(3)}
     with torch.inference_mode():
