@@ -184,6 +184,35 @@ def test_the_cost_curve_times_forwards_until_the_device_has_run_them():
     assert all(seconds >= 0.01 for _, seconds in points)
 
 
+class ClockedForward(FakeForward):
+    """A forward on a fake clock: 8 ms + 0.25 ms a token fed, and 20 ms more in each of the calls
+    numbered in `slow` (a burst of noise, as a pair's start-up beside this one's)."""
+
+    def __init__(self, slow: range) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.slow = slow
+
+    def __call__(self, rows: list[Row]) -> RowLogits:
+        self.now += 0.008 + 0.00025 * sum(len(row.token_ids) for row in rows)
+        self.now += 0.020 if len(self.batches) in self.slow else 0.0
+        return super().__call__(rows)
+
+
+def test_a_burst_of_noise_at_start_up_does_not_tilt_the_cost_curve(monkeypatch):
+    """A burst as long as several back-to-back forwards (here the first twelve timed ones) must not
+    bend the line load-aware K prices rows by: each shape keeps its fastest over rounds."""
+    batch_sizes, widths = 6, 3
+    untimed = 1 + batch_sizes * widths  # the prefix, then one warm-up forward per shape
+    forward = ClockedForward(slow=range(untimed, untimed + 12))
+    monkeypatch.setattr("model_host.profile.time.perf_counter", lambda: forward.now)
+    points = forward_costs(forward, VOCAB, max_batch_size=32, widths=(1, 3, 5))
+    assert len(points) == 18  # no two shapes feed as many tokens
+    for tokens, seconds in points:
+        assert seconds == pytest.approx(0.008 + 0.00025 * tokens), tokens
+    assert overhead_tokens(points, 0.0) == pytest.approx(32.0)
+
+
 def test_only_a_cuda_device_is_waited_for(monkeypatch):
     waited: list[torch.device] = []
     monkeypatch.setattr(torch.cuda, "synchronize", waited.append)
