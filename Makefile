@@ -60,6 +60,7 @@ bench: setup
 	$(PY) -m bench.structured
 	$(PY) -m bench.staggered --model target
 	$(PY) -m bench.staggered --model draft
+	$(PY) -m bench.staggered --model target --verify 2 --presence 0.7
 
 # Throughput and latency under 1 to 16 concurrent clients (bench/load.py).
 # Under load, 1 to 64 streams, beside Hugging Face's padded batch in the same run: the default pair, then the
