@@ -62,7 +62,7 @@ def run(
     requests = [(prompts[i % len(prompts)], 32 + (i * 37) % 64) for i in range(max(len(prompts), 2 * concurrency))]
     free: list[int] = []  # slots of ended streams
     active: dict[int, _Stream] = {}  # by slot
-    decode_seconds: list[float] = []
+    steady_seconds: list[float] = []  # forwards whose rows are all K + 1 wide
     forwards = tokens = 0
     started = time.perf_counter()
     with torch.inference_mode():
@@ -86,7 +86,7 @@ def run(
                 forward_started = time.perf_counter()
                 logits = forward(group)
                 if all(len(row.token_ids) == verify + 1 for row in group):
-                    decode_seconds.append(time.perf_counter() - forward_started)
+                    steady_seconds.append(time.perf_counter() - forward_started)
                 forwards += 1
                 for row, row_logits in zip(group, logits, strict=True):
                     assert row_logits is not None
@@ -102,8 +102,9 @@ def run(
                         stream.start += len(row.token_ids)
                     token = int(row_logits[-1].argmax())
                     stream.feed = [token] * (verify + 1)  # the next round: that token and K drafts
-                    stream.generated = min(stream.generated + accepted + 1, stream.wanted)
-                    tokens += accepted + 1
+                    committed = min(accepted + 1, stream.wanted - stream.generated)
+                    stream.generated += committed
+                    tokens += committed
                     if stream.generated == stream.wanted:
                         del active[row.slot]
                         forward.release(row.slot)
@@ -111,7 +112,7 @@ def run(
     seconds = time.perf_counter() - started
     return {
         "tokens_per_second": tokens / seconds,
-        "decode_forward_ms": 1000 * statistics.median(decode_seconds) if decode_seconds else float("nan"),
+        "steady_forward_ms": 1000 * statistics.median(steady_seconds) if steady_seconds else float("nan"),
         "rows_gathered_per_forward": store.rows_gathered / forwards,
         "forwards_gathering_nothing": store.windows_continued / forwards,
     }

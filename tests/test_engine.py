@@ -200,11 +200,10 @@ class ClockedForward(FakeForward):
 
 
 def test_a_burst_of_noise_at_start_up_does_not_tilt_the_cost_curve(monkeypatch):
-    """A burst as long as several back-to-back forwards (here the first twelve timed ones) must not
-    bend the line load-aware K prices rows by: each shape keeps its fastest over rounds."""
-    batch_sizes, widths = 6, 3
-    untimed = 1 + batch_sizes * widths  # the prefix, then one warm-up forward per shape
-    forward = ClockedForward(slow=range(untimed, untimed + 12))
+    """A burst as long as many back-to-back forwards (here the 39 after the prefix: the first round
+    and part of the second) must not bend the line load-aware K prices rows by: each shape keeps its
+    fastest over rounds. (A median of three back-to-back timings per shape did not.)"""
+    forward = ClockedForward(slow=range(1, 40))
     monkeypatch.setattr("model_host.profile.time.perf_counter", lambda: forward.now)
     points = forward_costs(forward, VOCAB, max_batch_size=32, widths=(1, 3, 5))
     assert len(points) == 18  # no two shapes feed as many tokens
