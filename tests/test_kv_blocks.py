@@ -375,3 +375,61 @@ def test_a_forward_that_fails_before_the_model_runs_leaves_no_row_trusted(monkey
         for row, logits in zip(rows, forward(rows), strict=True):
             assert logits is not None
             assert torch.allclose(logits, _logits(model, sequences[row.slot], 1), atol=1e-4)
+
+
+@pytest.mark.parametrize("one_copy", [False, True], ids=["a copy a row", "one copy (devices)"])
+def test_a_row_that_joins_a_window_reads_finite_values_past_its_own_blocks(one_copy, monkeypatch):
+    """A session that joins a kept window gathers only its own blocks where its window row was written
+    before, and the whole row, padded with the scratch block, where it was not: window buffers are
+    allocated uninitialised, and a masked NaN there would turn the row's attention into NaN."""
+    from model_host import batch_view
+
+    monkeypatch.setattr(batch_view, "_one_copy", lambda device: one_copy)
+    model, store, forward = _windowed()
+    rng = random.Random(7)
+    sequences = {slot: [rng.randrange(96) for _ in range(6 + 3 * slot)] for slot in range(6)}
+    with torch.inference_mode():
+
+        def step(slots: list[int]) -> None:
+            rows = []
+            for slot in slots:
+                sequence = sequences[slot]
+                start = len(sequence) - 1 if slot in store._slots else 0
+                rows.append(Row(slot, start, sequence[start:], 1))
+            for row, logits in zip(rows, forward(rows), strict=True):
+                assert logits is not None and torch.isfinite(logits).all()
+                assert torch.allclose(logits, _logits(model, sequences[row.slot], 1), atol=1e-4)
+                sequences[row.slot].append(int(logits[-1].argmax()))
+
+        step([0, 1, 2, 3])
+        step([0, 1, 2, 3])
+        (window,) = store._windows.values()
+        assert window.rows == 5 and window.finite == 4
+        positions = window.rows * window.capacity
+        for layer, tensors in window.buffers._tensors.items():  # what uninitialised memory may hold
+            heads, _, dim = store.keys[layer].shape
+            for tensor in tensors:
+                tensor[: heads * positions * dim].view(heads, positions, dim)[:, 4 * window.capacity :] = float("nan")
+        step([0, 1, 2, 3, 4])  # slot 4 takes row 4, never written: gathered padded to the capacity
+        assert window.finite == 5
+        store.release(1)
+        del sequences[1]
+        step([0, 2, 3, 4, 5])  # slot 5 takes row 1: its own blocks; the rest of the row is slot 1's
+        assert store.windows_continued >= 1 and list(store._windows.values()) == [window]
+
+
+def test_an_idle_engine_keeps_window_buffers_and_frees_the_prefill_gather():
+    """Idle, no window can be continued, but the next busy spell would fault a new buffer's pages in
+    again: the windows' buffers serve the next windows. A long prompt's chunk gather goes back."""
+    _, store, forward = _windowed()
+    with torch.inference_mode():
+        forward([Row(slot, 0, [1 + slot, 2, 3], 1) for slot in range(4)])
+        (window,) = store._windows.values()
+        forward([Row(9, 0, list(range(1, 80)), 1)])  # wider than the headroom: the store's own gather
+        gathered = store.gathered
+        for slot in [*range(4), 9]:
+            store.release(slot)
+        forward.idle()
+        assert not store._windows and store.gathered is not gathered
+        forward([Row(slot, 0, [4, 5, 6], 1) for slot in range(4, 8)])
+        assert next(iter(store._windows.values())).buffers is window.buffers
