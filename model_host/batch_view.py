@@ -164,13 +164,10 @@ class BatchView:
                 continue
             if self.into_blocks is not None:
                 into.index_copy_(1, self.into_blocks, blocks.index_select(1, self.read_blocks))
-            for into_first, read_first, count in self.joins if self.into_blocks is None else ():
-                torch.index_select(
-                    blocks,
-                    1,
-                    self.read_blocks[read_first : read_first + count],
-                    out=into[:, into_first : into_first + count],
-                )
+            else:
+                for into_first, read_first, count in self.joins:
+                    read = self.read_blocks[read_first : read_first + count]
+                    torch.index_select(blocks, 1, read, out=into[:, into_first : into_first + count])
             kept.index_copy_(1, self.window_index, new)  # the rows it holds: only the new tokens
         shape = (heads, window.rows, window.capacity, dim)
         length = self.kv_length
