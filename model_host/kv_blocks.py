@@ -43,6 +43,12 @@ if TYPE_CHECKING:
 DEFAULT_BLOCK_TOKENS = 16
 SCRATCH = 0
 _ROOT = b"specdec-kv-v1"
+# A window is kept with room for this many more positions a row, and at most this many windows (a
+# target alternates decoding batches and verify batches; with overlapped drafting, batches of two widths),
+# each of at most 1 / _WINDOWS_SHARE of the budget's positions.
+_WINDOW_HEADROOM = 64
+_WINDOWS = 2
+_WINDOWS_SHARE = 8
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,8 @@ def kv_bytes_per_token(model: torch.nn.Module, device: torch.device) -> int:
 def kv_budget_tokens(setting: str | int, loaded: LoadedModel) -> int:
     """`--max-cached-tokens`: a number of tokens, or `auto`: what the memory free after loading the
     weights holds (90% of the GPU's, as vLLM's default gpu_memory_utilization; on CPU half of what the
-    host has available, since the host shares it with everything else)."""
+    host has available, since the host shares it with everything else), less what the gather buffers
+    take (`_Buffers`)."""
     if str(setting) != "auto":
         return int(setting)
     device = loaded.input_device
@@ -99,7 +106,8 @@ def kv_budget_tokens(setting: str | int, loaded: LoadedModel) -> int:
         usable = int(free * 0.9)
     else:
         usable = int(_host_available_bytes() * 0.5)
-    tokens = usable // per_token
+    # Less the gather buffers: the kept windows' and a forward's own, an eighth of the budget each at most
+    tokens = usable // per_token * _WINDOWS_SHARE // (_WINDOWS_SHARE + _WINDOWS + 1)
     if tokens < loaded.max_context:
         raise ValueError(
             f"--max-cached-tokens auto: {usable / 2**30:.1f} GiB free holds {tokens} tokens of keys and values "
@@ -181,20 +189,13 @@ class _Buffers:
         size = heads * positions * dim
         kept = self._tensors.get(layer)
         if kept is None or kept[0].numel() < size:
-            # On a host, room for the largest window at once: its pages cost memory only once written,
-            # and a tensor reallocated as windows grow pays its page faults again each time (a new
-            # window of 28 rows: 40 ms of a 70 ms forward). A device allocator recycles its memory.
-            reserve = max(self._most, positions) if like.device.type == "cpu" else positions + positions // 4
-            room = heads * reserve * dim
+            # Room for the largest window at once, as the blocks (`kv_budget_tokens` counts it):
+            # on a host its pages cost memory only once written, and a tensor reallocated as windows
+            # grew paid its page faults again each time (a new window of 28 rows: 40 ms of a 70 ms forward).
+            room = heads * max(self._most, positions) * dim
             kept = self._tensors[layer] = (like.new_empty(room), like.new_empty(room))
         shape = (heads, positions, dim)
         return kept[0][:size].view(shape), kept[1][:size].view(shape)
-
-
-# A window is kept with room for this many more positions a row, and at most this many windows (a
-# target alternates decoding batches and verify batches; with overlapped drafting, batches of two widths).
-_WINDOW_HEADROOM = 64
-_WINDOWS = 2
 
 
 class BlockStore:
@@ -211,9 +212,11 @@ class BlockStore:
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         prefix_caching: bool = True,
         role: str = "model",
+        max_rows: int = 32,
     ) -> None:
         if block_tokens < 1:
             raise ValueError("block_tokens must be at least 1")
+        self.max_rows = max_rows  # rows of the largest batched forward (`--max-batch-size`)
         self.device = device
         self.dtype = dtype
         self.max_context = max_context
@@ -240,7 +243,7 @@ class BlockStore:
         # more than the blocks at most, and in practice a batch's attention working set.
         self._windows: OrderedDict[int, _Window] = OrderedDict()  # by serial, the least recently used first
         self._spare: list[_Buffers] = []  # buffers of windows gone, for the next ones
-        self._window_positions = max(1, budget // 8)
+        self._window_positions = max(1, budget // _WINDOWS_SHARE)
         self.gathered = _Buffers(self._window_positions)  # a forward's gather when it keeps no window
         self._serial = 0  # the last window's
         self.windows_continued = 0  # forwards that gathered nothing
@@ -405,13 +408,14 @@ class BlockStore:
         if best is not None and kv_length < best.capacity and len(rows) <= best.rows:
             self._windows.move_to_end(best.serial)
             return self._continue(best, rows, slots, batch)
-        if best is not None:  # too short or too narrow now: a wider one replaces it
-            self._spare.append(self._windows.pop(best.serial).buffers)
         capacity = blocks_for(kv_length + _WINDOW_HEADROOM + 1, self.block_tokens) * self.block_tokens
-        # A quarter more rows for sessions to join (none under four rows: a long prompt's window is one row)
-        room = min(len(rows) + len(rows) // 4, self._window_positions // capacity)
+        # Rows for the engine's largest batch where the positions allow: a batch that grows as streams
+        # arrive joins the window instead of replacing it (docs/design.md, "Keys and values live in blocks")
+        room = min(self.max_rows, self._window_positions // capacity)
         if room < len(rows):
             return self._own(rows, slots, kv_length)
+        if best is not None:  # too short or too narrow now: a wider one replaces it
+            self._spare.append(self._windows.pop(best.serial).buffers)
         self.rows_gathered += len(rows)
         while len(self._windows) >= _WINDOWS:
             self._spare.append(self._windows.popitem(last=False)[1].buffers)

@@ -144,6 +144,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             config.kv_block_tokens,
             config.prefix_caching,
             self.role,
+            config.max_batch_size,
         )
         log.info(
             "kv_blocks",
