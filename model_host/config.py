@@ -49,8 +49,8 @@ _HELP: dict[str, str] = {
     "dtype": "float32, float16, bfloat16, or auto (the checkpoint's dtype on GPU, float32 on CPU)",
     "max_sessions": "most sessions held at once (RESOURCE_EXHAUSTED beyond)",
     "max_cached_tokens": "most tokens cached over all sessions (RESOURCE_EXHAUSTED beyond): the key-value blocks "
-    "allocated once at start-up; auto: 90%% of the GPU memory free after loading the weights (on CPU, half the "
-    "memory available)",
+    "allocated once at start-up; auto: 8/11 of 90%% of the GPU memory free after loading the weights (on CPU, "
+    "of half the memory available), the rest left to the forward's gather buffers",
     "kv_block_tokens": "tokens per key-value block: the unit of allocation and of prefix reuse",
     "prefix_caching": "keep full blocks indexed by their prefix, so a session whose tokens begin alike starts "
     "from them (--no-prefix-caching: every session computes its prompt; a seed then reproduces exactly)",
