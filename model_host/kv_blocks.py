@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from model_host.config import ModelServiceConfig
 from model_host.metrics import KV_BLOCKS, KV_RESIDENT_BYTES, PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES
 
 if TYPE_CHECKING:
@@ -212,7 +213,7 @@ class BlockStore:
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         prefix_caching: bool = True,
         role: str = "model",
-        max_rows: int = 32,
+        max_rows: int = ModelServiceConfig.max_batch_size,
     ) -> None:
         if block_tokens < 1:
             raise ValueError("block_tokens must be at least 1")
@@ -239,8 +240,8 @@ class BlockStore:
         self._zeroed: dict[int, int] = {}
         self._bytes_per_position = 0  # keys and values over the layers allocated
         self._cached = 0  # free blocks that keep an index entry
-        # Windows hold at most an eighth of the budget's positions each: with two of them, a quarter
-        # more than the blocks at most, and in practice a batch's attention working set.
+        # Gather buffers (two windows' and a forward's own) hold an eighth of the budget's positions
+        # each, reserved at once: `kv_budget_tokens` leaves them their share of `auto`.
         self._windows: OrderedDict[int, _Window] = OrderedDict()  # by serial, the least recently used first
         self._spare: list[_Buffers] = []  # buffers of windows gone, for the next ones
         self._window_positions = max(1, budget // _WINDOWS_SHARE)

@@ -428,6 +428,8 @@ def test_a_row_that_joins_a_window_reads_finite_values_past_its_own_blocks(one_c
         step([0, 1, 2, 3])
         step([0, 1, 2, 3])
         (window,) = store._windows.values()
+        # As many rows as its eighth of the budget holds at this capacity (fewer than max_rows here)
+        assert window.rows == store._window_positions // window.capacity < store.max_rows
         assert window.rows > 5 and window.finite == 4
         positions = window.rows * window.capacity
         for layer, tensors in window.buffers._tensors.items():  # what uninitialised memory may hold
