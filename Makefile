@@ -10,7 +10,7 @@ PAIR ?= default_models/pair
 PROMPT ?= def fibonacci(n):
 HOST ?= 127.0.0.1
 
-.PHONY: setup proto lint test test-long matrix run bench load-bench link-bench prefix-bench gpu-bench soak wheel image python-base image-test models evaluate clean
+.PHONY: setup proto lint test test-long matrix run bench load-bench compare-bench link-bench prefix-bench gpu-bench soak wheel image python-base image-test models evaluate clean
 
 setup: $(INSTALLED) $(GENERATED)
 
@@ -69,6 +69,12 @@ load-bench: setup
 	$(PY) -m bench --concurrency 1,8,32,64 --prompts 32 --max-new-tokens 64
 	$(PY) -m bench --pair null --placement pinned --concurrency 1,8,32,64 --prompts 32 --max-new-tokens 64 --reps 5 \
 	  --only "target alone (K = 0),specdec fixed K = 4,HF generate() padded batch"
+
+# This tree's load table against another revision's (AGAINST, default HEAD: the working tree's changes), both
+# stacks up at once and the cells interleaved pair by pair (bench/compare.py; about 30 minutes).
+AGAINST ?= HEAD
+compare-bench: setup
+	$(PY) -m bench.compare --against $(AGAINST)
 
 # Sampled generation across rate-limited links (network namespaces, tbf; needs root), big-vocabulary pair.
 link-bench: setup

@@ -105,6 +105,7 @@ class LocalStack:
     metrics_ports: dict[str, int] = field(default_factory=dict)
     hosts: Hosts | None = None  # the model services' namespaces, behind links (tools/netns.py); None: loopback
     target_replicas: int = 1  # more start target-2, target-3 ... beside `target`, all behind the orchestrator
+    cwd: Path | None = None  # where the processes start: `python -m` imports the code found there first
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         if self.with_metrics:
@@ -118,7 +119,7 @@ class LocalStack:
         argv = [sys.executable, "-m", *args]
         if self.hosts is not None and name in self.hosts.hosts:
             argv = self.hosts.command(name, argv)  # `ip netns exec` execs the command: the pid stays
-        process = subprocess.Popen(argv, stdout=out, stderr=out, env=env)
+        process = subprocess.Popen(argv, stdout=out, stderr=out, env=env, cwd=self.cwd)
         self.processes.append(process)
         self.pids[name] = process.pid
         if name in self.cpus:  # before it starts its threads, which inherit the affinity
