@@ -25,7 +25,6 @@ on this tree's default pair: only the code differs. It must take the same servic
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import json
 import math
@@ -42,7 +41,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from bench.load import LOAD_CONFIGS, PINNED, LoadConfig, LoadSample, _usage, run_services
+from bench.load import LOAD_CONFIGS, PINNED, LoadConfig, LoadSample, requests_for, run_services_measured
 from default_models.prompts import held_out_prompts
 from tools.local_stack import DEFAULT_PAIR, LocalStack
 
@@ -64,7 +63,7 @@ class Pair:
     differing: int  # greedy requests whose tokens differ between the trees
 
 
-def worktree(repo: Path, revision: str, into: Path) -> Path:
+def worktree(repo: Path, revision: str, into: Path) -> None:
     """`revision` checked out at `into`, with its gRPC code generated."""
     added = subprocess.run(
         ["git", "-C", str(repo), "worktree", "add", "--detach", str(into), revision], capture_output=True, text=True
@@ -77,17 +76,13 @@ def worktree(repo: Path, revision: str, into: Path) -> Path:
          "--pyi_out=.", *protos],
         cwd=into, check=True,
     )  # fmt: skip
-    return into
 
 
 def _run(stack: LocalStack, config: LoadConfig, prompts: list[list[int]], concurrency: int, rep: int,
          max_new_tokens: int) -> tuple[LoadSample, float]:  # fmt: skip
     """One cell on one stack: the sample and its CPU seconds per token over the stack's processes."""
-    requests = [prompts[i % len(prompts)] for i in range(max(len(prompts), 2 * concurrency))]
-    before, _ = _usage(stack)
-    sample = asyncio.run(run_services(stack.orchestrator_address, config, requests, concurrency, rep, max_new_tokens))
-    after, _ = _usage(stack)
-    return sample, sum(after[name] - before[name] for name in after) / max(1, sample.tokens)
+    sample = run_services_measured(stack, config, requests_for(prompts, concurrency), concurrency, rep, max_new_tokens)
+    return sample, sum(sample.cpu_seconds.values()) / max(1, sample.tokens)
 
 
 def measure(stacks: dict[str, LocalStack], configs: list[LoadConfig], concurrencies: list[int], rounds: int,
@@ -166,16 +161,16 @@ def table(summary: dict[str, Any], against: str) -> str:
         "| streams | configuration | rounds | throughput | CPU a token | greedy requests differing |",
         "|---|---|---|---|---|---|",
     ]
-    for row in summary["cells"]:  # type: ignore[attr-defined]
+    for row in summary["cells"]:
         lines.append(
             f"| {row['concurrency']} | {row['config']} | {row['rounds']} | {row['throughput']:.3f}x | "
             f"{row['cpu']:.3f}x | {row['differing']} |"
         )
     overall = summary["overall"]
     for name in ("throughput", "cpu"):
-        low_high = overall[f"{name}_interval"]  # type: ignore[index]
+        low_high = overall[f"{name}_interval"]
         spread = f", 95% interval {low_high[0]:.3f}x-{low_high[1]:.3f}x" if low_high else ""
-        lines.append(f"\n{name}: geometric mean over {overall['pairs']} pairs {overall[name]:.3f}x{spread}")  # type: ignore[index]
+        lines.append(f"\n{name}: geometric mean over {overall['pairs']} pairs {overall[name]:.3f}x{spread}")
     return "\n".join(lines)
 
 
@@ -208,14 +203,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             worktree(repo, args.against, other)
             stacks = {
-                THIS: LocalStack(
+                tree: LocalStack(
                     str(DEFAULT_PAIR / "target"), str(DEFAULT_PAIR / "draft"), extra_service_args=["--threads", "1"],
-                    cpus=PINNED, with_metrics=True, log_dir=args.out / "compare-logs" / THIS, cwd=repo,
-                ),
-                OTHER: LocalStack(
-                    str(DEFAULT_PAIR / "target"), str(DEFAULT_PAIR / "draft"), extra_service_args=["--threads", "1"],
-                    cpus=PINNED, with_metrics=True, log_dir=args.out / "compare-logs" / OTHER, cwd=other,
-                ),
+                    cpus=PINNED, with_metrics=True, log_dir=args.out / "compare-logs" / tree, cwd=cwd,
+                )
+                for tree, cwd in ((THIS, repo), (OTHER, other))
             }  # fmt: skip
             with stacks[THIS], stacks[OTHER]:
                 pairs = measure(stacks, configs, concurrencies, args.rounds, prompts, args.max_new_tokens)

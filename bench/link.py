@@ -30,7 +30,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench.big_vocab import build_big_vocab_pair
-from bench.load import PINNED, LoadConfig, LoadSample, run_services, summarise_load
+from bench.load import PINNED, LoadConfig, LoadSample, requests_for, run_services, summarise_load
 from tools.local_stack import LocalStack
 from tools.netns import Hosts, rate_bits
 
@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for number, (rep, rate, concurrency, index) in enumerate(tqdm([*warm_up, *jobs], desc="link", unit="run")):
             config = configs[(index + rep) % len(configs)]
             hosts.shape(rate)
-            requests = [prompts[i % len(prompts)] for i in range(max(len(prompts), 2 * concurrency))]
+            requests = requests_for(prompts, concurrency)
             sample = asyncio.run(
                 run_services(
                     stack.orchestrator_address,

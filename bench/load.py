@@ -331,6 +331,24 @@ def _usage(stack: LocalStack) -> tuple[dict[str, float], dict[str, float]]:
     return cpu, forward
 
 
+def requests_for(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+    """A run's requests: every prompt, cycled to at least two per client."""
+    return [prompts[i % len(prompts)] for i in range(max(len(prompts), 2 * concurrency))]
+
+
+def run_services_measured(
+    stack: LocalStack, config: LoadConfig, requests: list[list[int]], concurrency: int, rep: int, max_new_tokens: int
+) -> LoadSample:
+    """`run_services` on the stack, with the CPU seconds of its processes and its services' forward
+    seconds over the run."""
+    cpu_before, forward_before = _usage(stack)
+    sample = asyncio.run(run_services(stack.orchestrator_address, config, requests, concurrency, rep, max_new_tokens))
+    cpu_after, forward_after = _usage(stack)
+    sample.cpu_seconds = {name: cpu_after[name] - cpu_before[name] for name in cpu_after}
+    sample.forward_seconds = {name: forward_after[name] - forward_before[name] for name in forward_after}
+    return sample
+
+
 # --placement pinned: the target on core 0, the draft and the orchestrator on core 1, one torch thread
 # each; Hugging Face's batch runs on the target's core.
 PINNED = {"target": {0}, "draft": {1}, "orchestrator": {1}}
@@ -363,15 +381,9 @@ def run_load(args: Namespace, prompts_text: list[str]) -> int:
         jobs = [(rep, c, i) for rep in range(args.reps) for c in concurrencies for i in range(len(configs))]
         for number, (rep, concurrency, index) in enumerate(tqdm([*warm_up, *jobs], desc="load", unit="run")):
             config = configs[(index + rep) % len(configs)]
-            requests = [prompts[i % len(prompts)] for i in range(max(len(prompts), 2 * concurrency))]
+            requests = requests_for(prompts, concurrency)
             if config.kind == "services":
-                cpu_before, forward_before = _usage(stack)
-                sample = asyncio.run(
-                    run_services(stack.orchestrator_address, config, requests, concurrency, rep, args.max_new_tokens)
-                )
-                cpu_after, forward_after = _usage(stack)
-                sample.cpu_seconds = {name: cpu_after[name] - cpu_before[name] for name in cpu_after}
-                sample.forward_seconds = {name: forward_after[name] - forward_before[name] for name in forward_after}
+                sample = run_services_measured(stack, config, requests, concurrency, rep, args.max_new_tokens)
             else:
                 if pinned:
                     os.sched_setaffinity(0, PINNED["target"])
