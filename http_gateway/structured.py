@@ -69,9 +69,10 @@ def _response_format(value: Any) -> common_pb2.StructuredOutput | None:
             "response_format",
         )
     spec = value.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
         raise invalid(
-            "`response_format.json_schema` must be an object with `name`, `schema` (an object) and `strict`",
+            "`response_format.json_schema` must be an object with `name`, `schema` (an object or a boolean) "
+            "and `strict`",
             "response_format",
         )
     strict = spec.get("strict")
@@ -87,8 +88,8 @@ def _kind(key: str, value: Any, param: str) -> common_pb2.StructuredOutput:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
                 raise invalid(f"`{param}` is not JSON: {exc}", param) from exc
-        if not isinstance(value, dict):
-            raise invalid(f"`{param}` must be a JSON Schema object", param)
+        if not isinstance(value, dict | bool):
+            raise invalid(f"`{param}` must be a JSON Schema (an object or a boolean)", param)
         return _json_schema(value, strict=True, param=param)
     if key == "json_object":
         if value is not True:
@@ -105,8 +106,9 @@ def _kind(key: str, value: Any, param: str) -> common_pb2.StructuredOutput:
     return message
 
 
-def _json_schema(schema: dict[str, Any], strict: bool, param: str) -> common_pb2.StructuredOutput:
-    """A schema as the gRPC field takes it; not strict, llguidance ignores what it cannot enforce."""
-    if not strict:
+def _json_schema(schema: dict[str, Any] | bool, strict: bool, param: str) -> common_pb2.StructuredOutput:
+    """A schema as the gRPC field takes it; not strict, llguidance ignores what it cannot enforce (and
+    `oneOf` is served as `anyOf`)."""
+    if not strict and isinstance(schema, dict):
         schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), "lenient": True}}
     return common_pb2.StructuredOutput(json_schema=json.dumps(schema))
