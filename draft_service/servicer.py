@@ -23,7 +23,7 @@ from model_host.forward import Forward
 from model_host.loading import LoadedModel
 from model_host.session_servicer import SessionServicer
 from model_host.sessions import Session
-from serving.constraints import SessionConstraint, mask_logits
+from serving.constraints import SessionConstraint, TokenBan, mask_logits
 from serving.errors import invalid_argument
 from serving.logits import logits_to_probs, rows_to_wire, sample_index
 from serving.sampling import SamplingParams, seeded_generator
@@ -67,6 +67,9 @@ class DraftJob(Job):
     min_confidence: float = 0.0
     generator: torch.Generator | None = None
     constraint: SessionConstraint | None = None
+    ban: TokenBan | None = None  # min_tokens' masks, as the target applies them
+    position: int = 0  # the sequence position the next row scores
+    vocab_limit: int = 0  # propose only ids below this (a draft wider than its target); 0: all
     token_ids: list[int] = field(default_factory=list)  # [k] drafted so far
     token_probs: list[float] = field(default_factory=list)  # [k] q(x); sampling only
     rows: list[torch.Tensor] = field(default_factory=list)  # k logit rows of [vocab]; sampling only
@@ -75,8 +78,16 @@ class DraftJob(Job):
         assert self.generator is not None
         row = logits[-1]  # [vocab]
         constraint = self.constraint
-        if constraint is not None:
-            row = mask_logits(row[None], constraint.allowed()[None])[0]  # a new tensor: no clone needed
+        allowed = constraint.allowed()[None] if constraint is not None else None  # [1, vocab]
+        if self.ban is not None:
+            allowed = self.ban.restrict(allowed, [self.position], row.shape[-1])
+        if 0 < self.vocab_limit < row.shape[-1]:
+            if allowed is None:
+                allowed = torch.ones((1, row.shape[-1]), dtype=torch.bool)
+            allowed[:, self.vocab_limit :] = False
+        self.position += 1
+        if allowed is not None:
+            row = mask_logits(row[None], allowed)[0]  # a new tensor: no clone needed
         elif not self.params.greedy:
             row = row.clone()  # a view would keep the whole batch's logits alive
         if not self.params.greedy:
@@ -138,6 +149,7 @@ class DraftServicer(
         if not 0.0 <= request.min_confidence <= 1.0:
             raise invalid_argument(f"min_confidence must be in [0, 1]; got {request.min_confidence}")
         SamplingParams.from_proto(request.sampling)
+        TokenBan.from_proto(request.ban, self.loaded.vocab_size)
 
     def make_job(self, slot: int, request: draft_pb2.DraftRequest, constraint: SessionConstraint | None) -> Job:
         if constraint is not None:
@@ -152,6 +164,9 @@ class DraftServicer(
             min_confidence=request.min_confidence,
             generator=seeded_generator(request.seed, self.loaded.input_device),
             constraint=constraint,
+            ban=TokenBan.from_proto(request.ban, self.loaded.vocab_size),
+            position=request.keep + len(request.append_token_ids),
+            vocab_limit=request.vocab_limit,
         )
 
     def respond(self, job: Job, request: draft_pb2.DraftRequest, session: Session) -> draft_pb2.DraftResponse:

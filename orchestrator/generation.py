@@ -21,6 +21,7 @@ import torch
 
 from orchestrator.goodput import StepTimes
 from orchestrator.k_policy import KPolicy
+from orchestrator.logprobs import entries_from_wire, entry_from_row
 from orchestrator.metrics import CHOSEN_K, CONSTRAINT_VIOLATIONS, DRAFT_ROWS, TARGET_DISAGREEMENTS
 from orchestrator.ngram import NgramIndex
 from orchestrator.proposals import (
@@ -37,7 +38,7 @@ from orchestrator.proposals import (
 from orchestrator.rejection import CompactRound, Verdict, acceptance_probability, draw_uniforms, verify_greedy
 from orchestrator.sampler import BatchSampler
 from orchestrator.upstream import SessionStream
-from serving.constraints import ConstraintSpec, SessionConstraint
+from serving.constraints import ConstraintSpec, SessionConstraint, TokenBan
 from serving.errors import ServiceError, unavailable
 from serving.logits import first_rejection, rows_from_wire
 from serving.sampling import SamplingParams, seeded_generator
@@ -70,16 +71,24 @@ class GenerationRequest:
     # The constraint compiled (an llguidance matcher in its initial state): the orchestrator's own copy
     # checks every committed token.
     constraint_template: Any = field(default=None, compare=False, repr=False)
+    ignore_eos: bool = False  # EOS tokens are ordinary tokens: no end there
+    stop_token_ids: frozenset[int] = frozenset()  # generation ends after any of these (finish STOP)
+    ban: TokenBan | None = None  # min_tokens: EOS and stop tokens masked below a sequence length
+    logprobs: bool = False  # the target's logprob of each generated token
+    top_logprobs: int = 0  # alternatives per generated token
+    prompt_logprobs: int | None = None  # the prompt's logprobs with this many alternatives; None: none
 
 
 @dataclass(frozen=True)
 class Checked:
-    """The target's answer to one step: the round's verdict, the target's forward seconds, and (when
-    sampling) its row at the first rejection, or the bonus row, [vocab]."""
+    """The target's answer to one step: the round's verdict, the target's forward seconds, (when
+    sampling) its row at the first rejection, or the bonus row, [vocab], and (when asked) the logprob
+    entry of each output token."""
 
     verdict: Verdict
     target_seconds: float
     target_row: torch.Tensor | None = None
+    logprobs: list[orchestrator_pb2.TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,7 @@ class ModelLimits:
     draft_max_context: int
     eos_token_ids: frozenset[int]
     draft_max_speculative_tokens: int = 16  # the draft service's cap on one step's K
+    draft_vocab_size: int = 0  # the draft's row width (0: the target's); a padded pair's may differ
     draft_constrains: bool = False  # the draft applies structured outputs (ModelInfo.structured_output_kinds)
 
 
@@ -171,6 +181,12 @@ class Generation:
         self.sampling_proto = request.sampling.to_proto()  # the same for every round
         self.stats = Stats(prompt_tokens=len(self.sequence))
         self.finish_reason: int = orchestrator_pb2.FINISH_REASON_UNSPECIFIED
+        self.token_logprobs: list[orchestrator_pb2.TokenLogprob] = []  # one per committed token, when asked
+        # The prompt's (None until the target's first step answers them; a one-token prompt has none).
+        self.prompt_logprobs: list[orchestrator_pb2.TokenLogprob] | None = None
+        if request.prompt_logprobs is not None and len(self.sequence) == 1:
+            self.prompt_logprobs = []
+        self._check_draftable(self.sequence)
         # Structured output: the orchestrator's own matcher checks every committed token; the services
         # get the constraint on each session's first step (keep = 0), with where it starts.
         self.constraint: SessionConstraint | None = None
@@ -218,7 +234,7 @@ class Generation:
                     self.stats.probe_rounds += 1
                 checked, side = await self._verify_beside(draft, side_k)
                 self._learn(draft, checked, produced, time.perf_counter() - round_started, draft_wait)
-                tokens = self._commit(checked.verdict)
+                tokens = self._commit(checked)
                 # A probe's token, and the first token of a block drafted beside the prefill, guessed the
                 # token this step decided: the policy learns from them as from a probe.
                 beside = Beside(side, checked, tokens, probing or bool(prefill_side_k)) if side else None
@@ -399,7 +415,29 @@ class Generation:
             min_confidence=self.request.min_confidence,
             cache_salt=self.request.cache_salt if keep == 0 else b"",
             **(self.constraint_fields if keep == 0 and self.limits.draft_constrains else {}),
+            **self._ban_fields(n, self.limits.draft_vocab_size or self.limits.vocab_size),
+            # A draft wider than the target (a padded pair) proposes over the target's width alone.
+            vocab_limit=self.limits.vocab_size if self.limits.draft_vocab_size > self.limits.vocab_size else 0,
         )
+
+    def _ban_fields(self, first_position: int, width: int) -> dict[str, Any]:
+        """min_tokens' ban for a step whose first row scores `first_position`, while it still applies
+        (ids past a narrower draft's width are left out: it cannot propose them anyway)."""
+        ban = self.request.ban
+        if ban is None or first_position >= ban.until:
+            return {}
+        return {"ban": common_pb2.TokenBan(token_ids=[t for t in ban.token_ids if t < width], until=ban.until)}
+
+    def _logprob_fields(self, keep: int) -> dict[str, Any]:
+        """What a verify step asks for the request's logprobs: the committed tokens', and on the first
+        step (until answered) the prompt's, with the larger count of alternatives."""
+        request, fields = self.request, {}
+        if request.logprobs:
+            fields = {"logprobs": True, "top_logprobs": request.top_logprobs}
+        if keep == 0 and request.prompt_logprobs is not None and self.prompt_logprobs is None:
+            fields["prompt_logprobs"] = True
+            fields["top_logprobs"] = max(request.top_logprobs if request.logprobs else 0, request.prompt_logprobs)
+        return fields
 
     async def _propose(self, context: list[int], k: int) -> Draft:
         """The draft's block continuing `context` (the committed sequence, or it plus a block under
@@ -420,6 +458,8 @@ class Generation:
             probs = None if self.request.sampling.greedy else list(response.draft_token_probs)
             if not 1 <= len(token_ids) <= k:
                 raise WireFormatError(f"draft returned {len(token_ids)} tokens for k = {k}")
+            if max(token_ids) >= self.limits.vocab_size or min(token_ids) < 0:
+                raise WireFormatError(f"draft returned a token outside the target's vocabulary: {token_ids}")
             if probs is not None and (len(probs) != len(token_ids) or not all(0.0 < q <= 1.0 for q in probs)):
                 raise WireFormatError(
                     f"draft returned {len(probs)} probabilities for {len(token_ids)} tokens, or one outside (0, 1]"
@@ -483,6 +523,8 @@ class Generation:
                     sampling=sampling,
                     cache_salt=self.request.cache_salt if keep == 0 else b"",
                     **(self.constraint_fields if keep == 0 else {}),
+                    **self._ban_fields(len(self.sequence), self.limits.vocab_size),
+                    **self._logprob_fields(keep),
                     **sampled,
                 ),
                 min_append=rows,  # the rows start at the last committed token
@@ -498,8 +540,10 @@ class Generation:
         self.stats.target_seconds += target_seconds
         if self.times is not None:
             self.times.target.observe(response.timing)
+        self._take_prompt_logprobs(response, len(context) - rows)
         if self.request.sampling.greedy:
-            return Checked(verify_greedy(draft.token_ids, response.argmax_token_ids), target_seconds)
+            verdict = verify_greedy(draft.token_ids, response.argmax_token_ids)
+            return Checked(verdict, target_seconds, logprobs=self._wire_logprobs(response, verdict.output_token_ids))
         assert uniforms is not None
         if draft.rows_at is not None and self.draft is not None and not self.draft.reachable(draft.rows_at.session):
             # The draft replica holding the block's rows is gone. Decided before the verdict is read, so
@@ -522,7 +566,39 @@ class Generation:
         verdict = await self.sampler.verdict(
             CompactRound(draft.token_ids, num_accepted, target_row, draft_row, uniform)
         )
-        return Checked(verdict, target_seconds, target_row)
+        logprobs = []
+        if self.request.logprobs:
+            logprobs = self._wire_logprobs(response, draft.token_ids[:num_accepted])
+            logprobs.append(entry_from_row(target_row, verdict.output_token_ids[-1], self.request.top_logprobs))
+        return Checked(verdict, target_seconds, target_row, logprobs)
+
+    def _wire_logprobs(
+        self, response: target_pb2.VerifyResponse, token_ids: list[int]
+    ) -> list[orchestrator_pb2.TokenLogprob]:
+        """The target's logprob entries for `token_ids` (none unless asked); a malformed answer is the
+        replica's fault: INTERNAL, and the replica avoided."""
+        if not self.request.logprobs:
+            return []
+        try:
+            return entries_from_wire(response.logprobs, token_ids, self.request.top_logprobs, self.request.top_logprobs)
+        except WireFormatError as exc:
+            self.target.reset()
+            raise ServiceError(grpc.StatusCode.INTERNAL, f"the target replica sent unusable logprobs: {exc}") from exc
+
+    def _take_prompt_logprobs(self, response: target_pb2.VerifyResponse, prompt_rows: int) -> None:
+        """Keep the prompt's logprobs from the step that asked for them (the first, keep = 0)."""
+        request = self.request
+        if request.prompt_logprobs is None or self.prompt_logprobs is not None or not response.prompt_logprobs.logprobs:
+            return
+        sent_top = max(request.top_logprobs if request.logprobs else 0, request.prompt_logprobs)
+        scored = request.prompt_token_ids[1 : prompt_rows + 1]
+        try:
+            self.prompt_logprobs = entries_from_wire(
+                response.prompt_logprobs, scored, request.prompt_logprobs, sent_top
+            )
+        except WireFormatError as exc:
+            self.target.reset()
+            raise ServiceError(grpc.StatusCode.INTERNAL, f"the target replica sent unusable logprobs: {exc}") from exc
 
     def _check_sampled(
         self, draft: Draft, response: target_pb2.VerifyResponse, uniforms: torch.Tensor
@@ -583,25 +659,47 @@ class Generation:
             ) from exc
 
     def _draft_row_from(self, message: common_pb2.LogitRows) -> torch.Tensor:
-        row = rows_from_wire(message, self.request.sampling, self.limits.vocab_size)
+        """q at the target's width: a narrower draft's row padded with zeros (it cannot propose those ids),
+        a wider draft's cut (it masked the ids past the target's width: `vocab_limit`)."""
+        vocab, width = self.limits.vocab_size, self.limits.draft_vocab_size or self.limits.vocab_size
+        row = rows_from_wire(message, self.request.sampling, width)
         if row.shape[0] != 1:
             raise WireFormatError(f"the draft sent {row.shape[0]} rows for one")
-        return row[0]
+        if width < vocab:
+            return torch.nn.functional.pad(row[0], (0, vocab - width))
+        if width > vocab and bool(row[0, vocab:].any()):
+            raise WireFormatError("the draft's row gives probability to ids past the target's vocabulary")
+        return row[0, :vocab]
 
-    def _commit(self, verdict: Verdict) -> list[int]:
-        """Append the round's tokens (cut after an EOS); each service's next step keeps what it shares."""
-        tokens = verdict.output_token_ids
+    def _commit(self, checked: Checked) -> list[int]:
+        """Append the round's tokens (cut after an EOS, unless ignore_eos, or a stop token); each service's
+        next step keeps what it shares."""
+        tokens = checked.verdict.output_token_ids
         for index, token in enumerate(tokens):
             if self.constraint is not None:
                 self._check_allowed(token)
-            if token in self.limits.eos_token_ids:
-                tokens = tokens[: index + 1]
+            if token in self.limits.eos_token_ids and not self.request.ignore_eos:
                 self.finish_reason = orchestrator_pb2.FINISH_REASON_EOS
-                break
+            elif token in self.request.stop_token_ids:
+                self.finish_reason = orchestrator_pb2.FINISH_REASON_STOP
+            else:
+                continue
+            tokens = tokens[: index + 1]
+            break
+        self.token_logprobs.extend(checked.logprobs[: len(tokens)])
+        self._check_draftable(tokens)
         self.sequence.extend(tokens)
         if self.lookup is not None:
             self.lookup.extend(tokens)
         return tokens
+
+    def _check_draftable(self, token_ids: list[int]) -> None:
+        """A narrower draft (a padded pair) has no embedding for the target's padding ids: once the
+        sequence holds one, this request drafts no more (K = 0, the target alone, still exact)."""
+        width = self.limits.draft_vocab_size
+        if width and not self.drafting_refused and any(t >= width for t in token_ids):
+            log.info("drafting_stopped", request_id=self.request.request_id, reason="a token past the draft's width")
+            self.drafting_refused = True
 
     def _check_allowed(self, token: int) -> None:
         """Advance the request's matcher by a token about to be committed; a token the constraint does

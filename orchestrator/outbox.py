@@ -10,7 +10,10 @@ larger messages. It holds at most one request's output, which max_new_tokens bou
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from specdec.v1 import orchestrator_pb2
 
 
 @dataclass(frozen=True)
@@ -18,19 +21,22 @@ class Chunk:
     text: str
     token_ids: list[int]
     closed: bool  # nothing more will come
+    logprobs: list[orchestrator_pb2.TokenLogprob] = field(default_factory=list)  # one per token, when asked
 
 
 class Outbox:
     def __init__(self) -> None:
         self._text: list[str] = []
         self._token_ids: list[int] = []
+        self._logprobs: list[orchestrator_pb2.TokenLogprob] = []
         self._closed = False
         self._ready = asyncio.Event()
 
-    def put(self, text: str, token_ids: list[int]) -> None:
+    def put(self, text: str, token_ids: list[int], logprobs: Sequence[orchestrator_pb2.TokenLogprob] = ()) -> None:
         if text:
             self._text.append(text)
         self._token_ids.extend(token_ids)
+        self._logprobs.extend(logprobs)
         self._ready.set()
 
     def close(self) -> None:
@@ -41,6 +47,6 @@ class Outbox:
         """Everything gathered since the last take (waits for something, or for the close)."""
         await self._ready.wait()
         self._ready.clear()
-        chunk = Chunk("".join(self._text), self._token_ids, self._closed)
-        self._text, self._token_ids = [], []
+        chunk = Chunk("".join(self._text), self._token_ids, self._closed, self._logprobs)
+        self._text, self._token_ids, self._logprobs = [], [], []
         return chunk

@@ -35,8 +35,9 @@ from orchestrator.routing import route_for
 from orchestrator.sampler import BatchSampler
 from orchestrator.text import TextStream, byte_table
 from orchestrator.upstream import Dial, ReplicaPool, SessionStream
-from serving.constraints import ConstraintSpec, Grammars
+from serving.constraints import ConstraintSpec, Grammars, TokenBan
 from serving.errors import ServiceError, failed_precondition, invalid_argument
+from serving.logits import MAX_TOP_LOGPROBS
 from serving.protocol import (
     DRAFT_METHOD_BY_ENUM,
     DRAFT_METHOD_BY_NAME,
@@ -65,6 +66,7 @@ SERVICE_NAME = "specdec.v1.Orchestrator"
 _MAX_STOP_STRINGS = 16
 _MAX_STOP_CHARS = 256
 MAX_CACHE_SALT_BYTES = 256
+MAX_STOP_TOKEN_IDS = 256
 _MAX_REQUEST_ID_CHARS = 128
 _INFO_POLL_S = 0.5
 
@@ -88,11 +90,27 @@ class PairMismatch(Exception):
 
 
 def check_pair(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo) -> None:
-    """Refuse a draft whose token ids do not mean what the target's mean."""
-    if draft.vocab_size != target.vocab_size:
+    """Refuse a draft whose token ids do not mean what the target's mean. Embedding widths may differ
+    when both report the same tokenizer (Qwen pads its embeddings by model size): the ids past the
+    tokenizer are padding, and the orchestrator pads or cuts the draft's rows to the target's width."""
+    same_tokenizer = bool(draft.tokenizer_fingerprint) and draft.tokenizer_fingerprint == target.tokenizer_fingerprint
+    if draft.vocab_size != target.vocab_size and not same_tokenizer:
         raise PairMismatch(
             f"draft model {draft.model!r} has a vocabulary of {draft.vocab_size} tokens but target model "
-            f"{target.model!r} has {target.vocab_size}; choose a draft that shares the target's tokenizer"
+            f"{target.model!r} has {target.vocab_size}, and they do not both report one tokenizer (a padded "
+            "pair must ship the same tokenizer with each checkpoint); choose a draft that shares the target's "
+            "tokenizer"
+        )
+    if draft.vocab_size != target.vocab_size:
+        log.info(
+            "padded_pair",
+            draft_vocab_size=draft.vocab_size,
+            target_vocab_size=target.vocab_size,
+            draft_rows=(
+                f"padded with q = 0 for ids {draft.vocab_size}..{target.vocab_size - 1}"
+                if draft.vocab_size < target.vocab_size
+                else f"cut: the draft proposes below {target.vocab_size} only, q renormalised over those ids"
+            ),
         )
     if (
         draft.tokenizer_fingerprint
@@ -341,6 +359,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         if len(salt) > MAX_CACHE_SALT_BYTES:
             raise invalid_argument(f"cache_salt has {len(salt)} bytes; at most {MAX_CACHE_SALT_BYTES} are accepted")
         constraint, template = await self._constraint(request)
+        extras = self._vllm_extras(request, len(prompt), constraint is not None)
         generation_request = GenerationRequest(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -356,8 +375,51 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             cache_salt=salt,
             constraint=constraint,
             constraint_template=template,
+            **extras,
         )
         return generation_request, policy
+
+    def _vllm_extras(
+        self, request: orchestrator_pb2.GenerateRequest, prompt_tokens: int, constrained: bool
+    ) -> dict[str, Any]:
+        """ignore_eos, min_tokens, stop_token_ids and the logprobs fields, checked (INVALID_ARGUMENT naming
+        the field and its range), as GenerationRequest's fields."""
+        vocab = self.target_info.vocab_size
+        stop_ids = frozenset(request.stop_token_ids)
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS or any(not 0 <= t < vocab for t in stop_ids):
+            raise invalid_argument(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, each in [0, {vocab})")
+        if request.ignore_eos and constrained:
+            raise invalid_argument(
+                "ignore_eos cannot be combined with structured_output: a constrained output ends at EOS once "
+                "it is complete"
+            )
+        if request.min_tokens > request.max_new_tokens:
+            raise invalid_argument(
+                f"min_tokens must be in [0, max_new_tokens = {request.max_new_tokens}]; got {request.min_tokens}"
+            )
+        banned = stop_ids | (frozenset() if request.ignore_eos else frozenset(self.target_info.eos_token_ids))
+        ban = None
+        if request.min_tokens and banned:
+            ban = TokenBan(tuple(sorted(banned)), prompt_tokens + request.min_tokens)
+        for name in ("top_logprobs", "prompt_logprobs"):
+            if getattr(request, name) > MAX_TOP_LOGPROBS:
+                raise invalid_argument(f"{name} must be in [0, {MAX_TOP_LOGPROBS}]; got {getattr(request, name)}")
+        if request.top_logprobs and not request.logprobs:
+            raise invalid_argument("top_logprobs needs logprobs = true")
+        prompt_logprobs = request.prompt_logprobs if request.HasField("prompt_logprobs") else None
+        if prompt_logprobs is not None and prompt_tokens > self.target_info.max_batch_tokens:
+            raise invalid_argument(
+                f"prompt_logprobs scores the whole prompt in one forward: at most the target's max_batch_tokens = "
+                f"{self.target_info.max_batch_tokens} prompt tokens; got {prompt_tokens}"
+            )
+        return {
+            "ignore_eos": request.ignore_eos,
+            "stop_token_ids": stop_ids,
+            "ban": ban,
+            "logprobs": request.logprobs,
+            "top_logprobs": request.top_logprobs,
+            "prompt_logprobs": prompt_logprobs,
+        }
 
     async def _constraint(self, request: orchestrator_pb2.GenerateRequest) -> tuple[ConstraintSpec | None, Any]:
         """The request's structured output, compiled (off the event loop), or None; INVALID_ARGUMENT with
@@ -394,6 +456,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 else 0
             ),
             draft_constrains=bool(self.draft and self.draft.info and self.draft.info.structured_output_kinds),
+            draft_vocab_size=self.draft.info.vocab_size if self.draft and self.draft.info else 0,
         )
 
     def _generation(self, request: GenerationRequest, policy: str) -> Generation:
@@ -450,20 +513,22 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                         text=chunk.text,
                         token_ids=chunk.token_ids,
                         request_id=generation_request.request_id if first else "",
+                        logprobs=chunk.logprobs,
+                        prompt_logprobs=(generation.prompt_logprobs or []) if first else [],
                     )
                     first = False
                 if chunk.closed:
                     break
-            finish, streamed = await producer  # raises what ended the rounds
-            if finish == orchestrator_pb2.FINISH_REASON_UNSPECIFIED:
-                finish = generation.finish_reason
+            string_stop, streamed = await producer  # raises what ended the rounds
+            finish = orchestrator_pb2.FINISH_REASON_STOP if string_stop else generation.finish_reason
             stats = generation.stats
             stats.output_tokens = streamed
             yield orchestrator_pb2.GenerateResponse(
-                text="" if finish == orchestrator_pb2.FINISH_REASON_STOP else text.finish(),
+                text="" if string_stop else text.finish(),  # a stop string's held-back text is never released
                 finish_reason=finish,  # type: ignore[arg-type]
                 stats=stats.to_proto(generation.reopens, generation.wire_bytes, generation.reused),
                 request_id=generation_request.request_id if first else "",
+                prompt_logprobs=(generation.prompt_logprobs or []) if first else [],
             )
             self._record(generation, finish)
         except ServiceError as exc:
@@ -481,10 +546,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     async def _produce(
         self, generation: Generation, text: TextStream, outbox: Outbox, deadline: float
-    ) -> tuple[int, int]:
-        """Run the rounds, putting their text in the outbox (never waiting for the client); returns the
-        finish reason a stop string set (else UNSPECIFIED) and the tokens streamed."""
-        finish: int = orchestrator_pb2.FINISH_REASON_UNSPECIFIED
+    ) -> tuple[bool, int]:
+        """Run the rounds, putting their text in the outbox (never waiting for the client); returns whether
+        a stop string ended the generation, and the tokens streamed."""
+        string_stop = False
         streamed = 0
         try:
             async with contextlib.aclosing(generation.rounds()) as rounds:
@@ -496,14 +561,15 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                             "(--request-timeout-s); ask for fewer tokens",
                         )
                     delta = text.push(tokens)
+                    logprobs = generation.token_logprobs[streamed : streamed + len(delta.token_ids)]
                     streamed += len(delta.token_ids)
-                    outbox.put(delta.text, delta.token_ids)
+                    outbox.put(delta.text, delta.token_ids, logprobs)
                     if delta.stopped:
-                        finish = orchestrator_pb2.FINISH_REASON_STOP
+                        string_stop = True
                         break
         finally:
             outbox.close()
-        return finish, streamed
+        return string_stop, streamed
 
     def _record(self, generation: Generation, finish: int) -> None:
         stats: Stats = generation.stats

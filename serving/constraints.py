@@ -130,7 +130,8 @@ def prepared_schema(schema: Any, field: str = "structured_output.json_schema") -
         raise invalid_argument(f"{field} is `false`, which no value satisfies (unsatisfiable)")
     if not isinstance(schema, dict):
         raise invalid_argument(f"{field} must be a JSON object or a boolean (a schema); got {type(schema).__name__}")
-    options = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), dict) else {}
+    guidance = schema.get("x-guidance")
+    options: dict[str, Any] = guidance if isinstance(guidance, dict) else {}
     places = list(_one_of_places(schema, "#"))
     if not places or options.get("coerce_one_of") is not None:
         return schema
@@ -393,6 +394,50 @@ class SessionConstraint:
         if any(word in error.lower() for word in _LIMIT_WORDS):
             code = grpc.StatusCode.RESOURCE_EXHAUSTED
         return ServiceError(code, f"the structured_output constraint failed {doing}: {error}")
+
+
+MAX_BANNED_TOKENS = 512  # a TokenBan's ids: the model's EOS ids and a request's stop_token_ids
+
+
+@dataclass(frozen=True)
+class TokenBan:
+    """Ids masked out of the rows that score positions below `until` (min_tokens), in both services."""
+
+    token_ids: tuple[int, ...]
+    until: int  # a sequence length
+
+    @classmethod
+    def from_proto(cls, message: common_pb2.TokenBan, vocab_size: int) -> TokenBan | None:
+        """The ban, None when it bans nothing, or INVALID_ARGUMENT naming the field."""
+        ids = tuple(sorted(set(message.token_ids)))
+        if not ids or not message.until:
+            return None
+        if len(ids) > MAX_BANNED_TOKENS:
+            raise invalid_argument(f"ban.token_ids holds {len(ids)} ids; at most {MAX_BANNED_TOKENS} are accepted")
+        if ids[0] < 0 or ids[-1] >= vocab_size:
+            raise invalid_argument(f"ban.token_ids must be in [0, {vocab_size}); got {ids[0]}..{ids[-1]}")
+        return cls(ids, message.until)
+
+    def to_proto(self) -> common_pb2.TokenBan:
+        return common_pb2.TokenBan(token_ids=self.token_ids, until=self.until)
+
+    def restrict(self, allowed: torch.Tensor | None, positions: Sequence[int], vocab_size: int) -> torch.Tensor | None:
+        """allowed [rows, vocab] bool (None: all allowed) with the banned ids cleared in the rows scoring
+        `positions` below `until`; INVALID_ARGUMENT when that leaves a row nothing (a constraint that can
+        only end there)."""
+        banned_rows = [row for row, position in enumerate(positions) if position < self.until]
+        if not banned_rows:
+            return allowed
+        if allowed is None:
+            allowed = torch.ones((len(positions), vocab_size), dtype=torch.bool)
+        index = torch.tensor(banned_rows)
+        allowed[index[:, None], torch.tensor(self.token_ids)[None, :]] = False
+        if not bool(allowed[index].any(dim=-1).all()):
+            raise invalid_argument(
+                "min_tokens cannot be met: the structured_output constraint allows only end-of-sequence or stop "
+                "tokens before that many tokens are generated; lower min_tokens"
+            )
+        return allowed
 
 
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

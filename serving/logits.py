@@ -40,6 +40,30 @@ def support_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return scores
 
 
+# Alternatives per position a request may ask logprobs for (OpenAI's and vLLM's bound).
+MAX_TOP_LOGPROBS = 20
+
+
+def processed_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[rows, vocab] float32 scores whose log-softmax is the distribution a token is drawn from: the
+    logits at temperature 1 for greedy rows, `support_scores` otherwise (vLLM's processed logprobs)."""
+    return logits.float() if params.greedy else support_scores(logits, params)
+
+
+def token_logprobs(scores: torch.Tensor, token_ids: list[int], top: int) -> common_pb2.TokenLogprobs:
+    """Each row's log-probability of its token, and its `top` most likely tokens, from scores
+    [rows, vocab] (float32; -inf outside the support)."""
+    logprobs = scores.float().log_softmax(dim=-1)  # [rows, vocab]
+    rows = torch.arange(len(token_ids), device=logprobs.device)
+    chosen = logprobs[rows, torch.tensor(token_ids, dtype=torch.long, device=logprobs.device)]  # [rows]
+    message = common_pb2.TokenLogprobs(logprobs=chosen.cpu().tolist())
+    if top and len(token_ids):
+        values, ids = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)  # [rows, top]
+        message.top_token_ids.extend(ids.flatten().cpu().tolist())
+        message.top_logprobs.extend(values.flatten().cpu().tolist())
+    return message
+
+
 def _softmax(scores: torch.Tensor) -> torch.Tensor:
     return scores.softmax(dim=-1)
 

@@ -12,9 +12,16 @@ import torch
 from model_host.engine import Job
 from model_host.session_servicer import SessionServicer
 from model_host.sessions import Session
-from serving.constraints import SessionConstraint, block_masks, mask_logits
+from serving.constraints import SessionConstraint, TokenBan, block_masks, mask_logits
 from serving.errors import invalid_argument
-from serving.logits import first_rejection, logits_to_probs, rows_to_wire
+from serving.logits import (
+    MAX_TOP_LOGPROBS,
+    first_rejection,
+    logits_to_probs,
+    processed_scores,
+    rows_to_wire,
+    token_logprobs,
+)
 from serving.sampling import SamplingParams
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 
@@ -39,6 +46,25 @@ def answer_sampled(
     response.draft_token_target_probs.extend(target_token_probs.tolist())
     response.num_accepted = j
     response.row.CopyFrom(rows_to_wire(logits[j : j + 1], params))
+    if request.logprobs:  # the accepted draft tokens' rows; the last token's row is `row`
+        response.logprobs.CopyFrom(
+            token_logprobs(processed_scores(logits[:j], params), draft_ids[:j].tolist(), request.top_logprobs)
+        )
+
+
+def answer_logprobs_greedy(
+    response: target_pb2.VerifyResponse,
+    logits: torch.Tensor,
+    argmax: list[int],
+    k: int,
+    request: target_pb2.VerifyRequest,
+) -> None:
+    """Greedy logprobs of the tokens the round commits: each row's argmax up to the first row whose
+    argmax differs from the draft token it scores (the recovered token), or through the bonus row."""
+    ids = request.append_token_ids
+    draft_ids = ids[len(ids) - k :]
+    j = next((row for row in range(k) if argmax[row] != draft_ids[row]), k)
+    response.logprobs.CopyFrom(token_logprobs(logits[: j + 1].float(), argmax[: j + 1], request.top_logprobs))
 
 
 @dataclass(eq=False)
@@ -46,11 +72,16 @@ class VerifyJob(Job):
     """Feed the block; keep the logits of its last num_logits positions."""
 
     params: SamplingParams = field(default_factory=SamplingParams)
-    allowed: torch.Tensor | None = None  # [num_rows, vocab] bool: structured output's masks, else None
+    num_rows: int = 1  # the rows the step answers: the last num_rows of the logits
+    # [num_rows, vocab] bool: structured output's and min_tokens' masks, else None
+    allowed: torch.Tensor | None = None
     logits: torch.Tensor | None = None  # [num_rows, vocab]
+    prompt_logits: torch.Tensor | None = None  # [fed - num_rows, vocab]: prompt_logprobs steps only
     argmax: list[int] | None = None  # greedy: the rows' argmax ids (TargetServicer.before_responding)
 
     def advance(self, logits: torch.Tensor) -> list[int] | None:
+        if logits.shape[0] > self.num_rows:  # prompt logprobs: every fed position's row
+            self.prompt_logits, logits = logits[: -self.num_rows], logits[-self.num_rows :]
         # The constrained distribution is the target's: every row is masked before anything reads it.
         self.logits = logits if self.allowed is None else mask_logits(logits, self.allowed)
         return None
@@ -76,6 +107,17 @@ class TargetServicer(
                 f"num_rows must be in [1, min(len(append_token_ids), --max-speculative-tokens + 1) = {most}]; "
                 f"got {request.num_rows}"
             )
+        if request.top_logprobs > MAX_TOP_LOGPROBS:
+            raise invalid_argument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]; got {request.top_logprobs}")
+        if request.prompt_logprobs:
+            if request.keep:
+                raise invalid_argument("prompt_logprobs is only read on a session's first step (keep = 0)")
+            if len(request.append_token_ids) > self.config.max_batch_tokens:
+                raise invalid_argument(
+                    f"prompt_logprobs computes every prompt row in one forward: at most --max-batch-tokens = "
+                    f"{self.config.max_batch_tokens} tokens; got {len(request.append_token_ids)}"
+                )
+        TokenBan.from_proto(request.ban, self.loaded.vocab_size)
         if SamplingParams.from_proto(request.sampling).greedy:
             return
         k = request.num_rows - 1
@@ -93,13 +135,20 @@ class TargetServicer(
         params = SamplingParams.from_proto(request.sampling)
         # The masks depend on the tokens alone: computed here, on the event loop, while the engine runs.
         allowed = block_masks(constraint, ids, request.keep, request.num_rows) if constraint is not None else None
+        ban = TokenBan.from_proto(request.ban, self.loaded.vocab_size)
+        if ban is not None:
+            first = request.keep + len(ids) - request.num_rows + 1  # the position the first row scores
+            positions = range(first, first + request.num_rows)
+            allowed = ban.restrict(allowed, positions, self.loaded.vocab_size)
         return VerifyJob(
             slot,
             request.keep,
             ids,
-            request.num_rows,
+            # Prompt logprobs want every fed position's row, so nothing comes from the prefix cache.
+            len(ids) if request.prompt_logprobs else request.num_rows,
             comes_straight_back=request.num_rows == 1,
             params=params,
+            num_rows=request.num_rows,
             allowed=allowed,
         )
 
@@ -124,8 +173,13 @@ class TargetServicer(
         if job.params.greedy:
             argmax = job.argmax if job.argmax is not None else job.logits.argmax(dim=-1).tolist()
             response.argmax_token_ids.extend(argmax)
+            if request.logprobs:
+                answer_logprobs_greedy(response, job.logits, argmax, request.num_rows - 1, request)
         else:
             answer_sampled(response, job.logits, job.params, request)
+        if job.prompt_logits is not None:
+            scored = list(request.append_token_ids[1 : job.prompt_logits.shape[0] + 1])
+            response.prompt_logprobs.CopyFrom(token_logprobs(job.prompt_logits, scored, request.top_logprobs))
         return response
 
 

@@ -10,7 +10,7 @@ import random
 from typing import Any
 
 import grpc
-import jsonschema
+import jsonschema  # type: ignore[import-untyped]
 import pytest
 import torch
 
