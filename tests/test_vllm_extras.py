@@ -135,7 +135,7 @@ def test_min_tokens_keeps_the_target_distribution_under_sampling(orchestrators, 
 
     with ThreadPoolExecutor(8) as pool:
         counts = Counter(pool.map(first_token, range(samples)))
-    expected = {(t,): float(p) for t, p in enumerate(probs)}
+    expected: dict[tuple[int, ...], float] = {(t,): float(p) for t, p in enumerate(probs)}
     pvalue = chi_square_pvalue(Counter({(t,): c for t, c in counts.items()}), expected, samples)
     assert pvalue > 0.01, pvalue
 
