@@ -15,7 +15,7 @@ import contextlib
 import json
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
+from http_gateway import logprobs as logprob_api
 from http_gateway.limits import body_too_large, parse_json, read_body
 from http_gateway.openai_api import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -76,6 +77,7 @@ _COMMON_FIELDS = {
     "stop",
     *EXTENSION_FIELDS,
     *STRUCTURED_FIELDS,
+    *logprob_api.LOGPROB_FIELDS,
 }
 
 
@@ -115,6 +117,45 @@ class Generation:
     finish_reason: str | None = None
     stats: orchestrator_pb2.GenerationStats | None = None
     request_id: str = ""
+    logprobs: list[orchestrator_pb2.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[orchestrator_pb2.TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Echo:
+    """What a request's logprobs and echo need of its prompt: its text and token ids."""
+
+    wanted: logprob_api.LogprobRequest
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+
+    def formatter(self, tokenizer: PreTrainedTokenizerBase) -> logprob_api.Formatter:
+        return logprob_api.Formatter(tokenizer, self.wanted)
+
+    def extend(
+        self,
+        choice: dict[str, Any],
+        formatter: logprob_api.Formatter,
+        message: orchestrator_pb2.GenerateResponse,
+        chat: bool,
+    ) -> None:
+        """Put a message's logprobs (and, on the first, the echoed prompt and vLLM's prompt_logprobs) into a
+        choice or chunk."""
+        wanted = self.wanted
+        first = bool(message.request_id)
+        if not chat and first and wanted.echo:
+            choice["text"] = self.text + choice.get("text", "")
+        if first and wanted.prompt_top is not None:
+            choice["prompt_logprobs"] = formatter.prompt(self.token_ids, message.prompt_logprobs)
+        if wanted.shape == "chat":
+            choice["logprobs"] = formatter.chat(message.logprobs)
+        elif wanted.shape == "completions":
+            entries = list(message.logprobs)
+            lead = None
+            if first and wanted.echo:
+                entries = list(message.prompt_logprobs) + entries
+                lead = self.token_ids[0] if self.token_ids else None
+            choice["logprobs"] = formatter.completions(entries, lead)
 
 
 def create_app(
@@ -184,6 +225,8 @@ def create_app(
                 gathered.request_id = gathered.request_id or message.request_id
                 gathered.text += message.text
                 gathered.token_ids += len(message.token_ids)
+                gathered.logprobs.extend(message.logprobs)
+                gathered.prompt_logprobs.extend(message.prompt_logprobs)
                 if message.finish_reason:
                     gathered.finish_reason = FINISH_REASONS.get(message.finish_reason, "stop")
                     gathered.stats = message.stats
@@ -195,7 +238,9 @@ def create_app(
             watcher.cancel()
             call.cancel()
 
-    async def respond(request: Request, parsed: Parsed, chat: bool, metadata: tuple[tuple[str, str], ...]) -> Any:
+    async def respond(
+        request: Request, parsed: Parsed, chat: bool, metadata: tuple[tuple[str, str], ...], echo: Echo
+    ) -> Any:
         kind = "chat.completion" if chat else "text_completion"
         if parsed.stream:
             stream = run(request, parsed, metadata)
@@ -204,7 +249,7 @@ def create_app(
             except StopAsyncIteration:
                 first = None
             return StreamingResponse(
-                _events(stream, first, parsed, chat, upstream.model),
+                _events(stream, first, parsed, chat, upstream.model, echo, echo.formatter(upstream.tokenizer)),
                 media_type="text/event-stream",
                 headers={REQUEST_ID_HEADER: parsed.request.request_id},
             )
@@ -213,11 +258,17 @@ def create_app(
             pass
         stats = gathered.stats or orchestrator_pb2.GenerationStats()
         body = envelope(kind, parsed.request.request_id, upstream.model)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": gathered.finish_reason}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": gathered.finish_reason, "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": gathered.text}
         else:
-            choice.update(text=gathered.text, logprobs=None)
+            choice["text"] = gathered.text
+        whole = orchestrator_pb2.GenerateResponse(
+            request_id=parsed.request.request_id, logprobs=gathered.logprobs, prompt_logprobs=gathered.prompt_logprobs
+        )
+        echo.extend(choice, echo.formatter(upstream.tokenizer), whole, chat)
+        if chat and "prompt_logprobs" in choice:  # vLLM's place for it on chat completions
+            body["prompt_logprobs"] = choice.pop("prompt_logprobs")
         body.update(choices=[choice], usage=usage(stats))
         body["specdec"] = stats_extension(stats)
         return JSONResponse(body, headers={REQUEST_ID_HEADER: parsed.request.request_id})
@@ -298,20 +349,37 @@ def create_app(
         check_fields(body, {prompt_field, *_COMMON_FIELDS})
         return metadata, body
 
-    def completed(parsed: Parsed, body: dict[str, Any], metadata: tuple[tuple[str, str], ...]) -> Parsed:
-        """What both endpoints add to the common fields: the cache salt and the structured output."""
+    def completed(
+        parsed: Parsed, body: dict[str, Any], metadata: tuple[tuple[str, str], ...], wanted: logprob_api.LogprobRequest
+    ) -> Parsed:
+        """What both endpoints add to the common fields: the cache salt, the structured output, the logprobs."""
         parsed.request.cache_salt = cache_salt(body, metadata, salt_secret)
         constraint = structured_output(body)
         if constraint is not None:
             parsed.request.structured_output.CopyFrom(constraint)
+        logprob_api.apply(wanted, parsed.request)
         return parsed
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         metadata, body = await accepted(request, "prompt")
+        wanted = logprob_api.parse(body, chat=False)
         prompt = completion_prompt(body, upstream.info.target.vocab_size, context)
+        echo = Echo(wanted)
+        if wanted.echo or wanted.wants_prompt:
+            # The prompt's ids, tokenized here as the orchestrator would, so that its tokens can be echoed.
+            if prompt.WhichOneof("prompt") == "text":
+                ids = (await asyncio.to_thread(upstream.tokenizer, prompt.text))["input_ids"]
+                text = prompt.text
+                prompt = orchestrator_pb2.GenerateRequest(token_ids=orchestrator_pb2.TokenIds(ids=ids))
+            else:
+                ids = list(prompt.token_ids.ids)
+                text = await asyncio.to_thread(upstream.tokenizer.decode, ids, skip_special_tokens=True)
+            echo = Echo(wanted, text, tuple(ids))
         parsed = build_request(body, prompt, COMPLETIONS_DEFAULT_MAX_TOKENS, request_id(request))
-        return await respond(request, completed(parsed, body, metadata), chat=False, metadata=metadata)
+        return await respond(
+            request, completed(parsed, body, metadata, wanted), chat=False, metadata=metadata, echo=echo
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -324,7 +392,11 @@ def create_app(
         default = min(upstream.info.max_new_tokens_cap, room)
         prompt = orchestrator_pb2.GenerateRequest(token_ids=orchestrator_pb2.TokenIds(ids=prompt_ids))
         parsed = build_request(body, prompt, default, request_id(request))
-        return await respond(request, completed(parsed, body, metadata), chat=True, metadata=metadata)
+        wanted = logprob_api.parse(body, chat=True)
+        echo = Echo(wanted, "", tuple(prompt_ids))
+        return await respond(
+            request, completed(parsed, body, metadata, wanted), chat=True, metadata=metadata, echo=echo
+        )
 
     return app
 
@@ -394,20 +466,29 @@ async def _events(
     parsed: Parsed,
     chat: bool,
     model: str,
+    echo: Echo,
+    formatter: logprob_api.Formatter,
 ) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format, then `data: [DONE]`."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     base = envelope(kind, parsed.request.request_id, model)
 
-    def chunk(delta: str | None, finish: str | None, role: bool = False) -> str:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+    def chunk(
+        delta: str | None,
+        finish: str | None,
+        role: bool = False,
+        message: orchestrator_pb2.GenerateResponse | None = None,
+    ) -> str:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
         if chat:
             content: dict[str, Any] = {} if delta is None else {"content": delta}
             if role:
                 content["role"] = "assistant"
             choice["delta"] = content
         else:
-            choice.update(text=delta or "", logprobs=None)
+            choice["text"] = delta or ""
+        if message is not None:
+            echo.extend(choice, formatter, message, chat)
         return f"data: {json.dumps({**base, 'choices': [choice]})}\n\n"
 
     if chat:
@@ -417,8 +498,12 @@ async def _events(
         pending = [first] if first is not None else []
         async for item in _chain(pending, stream):
             message, gathered = item
-            if message.text:
-                yield chunk(message.text, None)
+            if (
+                message.text
+                or message.logprobs
+                or (message.request_id and (echo.wanted.echo or echo.wanted.wants_prompt))
+            ):
+                yield chunk(message.text, None, message=message)
         yield chunk(None if chat else "", gathered.finish_reason)
         stats = gathered.stats or orchestrator_pb2.GenerationStats()
         if parsed.include_usage:

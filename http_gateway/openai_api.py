@@ -1,8 +1,9 @@
 """OpenAI's request and response shapes, converted to and from specdec's gRPC API at the edge.
 
 A field specdec does not support is accepted at its neutral value (`n: 1`, `presence_penalty: 0`,
-`logprobs: null`, which many clients always send) and refused with 400 naming it when it asks for
-something. specdec's own settings travel as extension fields (a client's `extra_body`), and a
+which many clients always send) and refused with 400 naming it when it asks for something. vLLM's
+sampling extras (`ignore_eos`, `min_tokens`, `stop_token_ids`), which benchmark tools send, have vLLM's
+meanings. specdec's own settings travel as extension fields (a client's `extra_body`), and a
 response's generation statistics come back in the `specdec` field.
 """
 
@@ -30,9 +31,6 @@ FINISH_REASONS = {
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "best_of": (None, 1),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
@@ -112,6 +110,9 @@ EXTENSION_FIELDS = {
     "draft_method",
     "top_k",
     "cache_salt",
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
 }
 
 
@@ -140,6 +141,18 @@ def build_request(
         request.stop.extend(stops)
     if body.get("top_k") is not None:
         request.top_k = _count(body, "top_k", 0)
+    if body.get("ignore_eos") is not None:
+        if not isinstance(body["ignore_eos"], bool):
+            raise invalid("`ignore_eos` must be true or false", "ignore_eos")
+        request.ignore_eos = body["ignore_eos"]
+    request.min_tokens = _count(body, "min_tokens", 0)
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in stop_ids
+        ):
+            raise invalid("`stop_token_ids` must be a list of token ids (non-negative integers)", "stop_token_ids")
+        request.stop_token_ids.extend(stop_ids)
     if body.get("num_speculative_tokens") is not None:
         request.num_speculative_tokens = _count(body, "num_speculative_tokens", 0)
     if body.get("speculation_policy") is not None:

@@ -144,7 +144,9 @@ def test_a_model_without_a_chat_template_is_told_so(tiny_pair):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("n", 2), ("best_of", 3), ("logprobs", 2), ("echo", True), ("presence_penalty", 0.5),
+    [("n", 2), ("best_of", 3), ("logprobs", 21), ("echo", "yes"), ("top_logprobs", 2), ("presence_penalty", 0.5),
+     ("min_tokens", -1), ("stop_token_ids", "5"), ("stop_token_ids", [-1]), ("ignore_eos", "yes"),
+     ("prompt_logprobs", 30),
      ("frequency_penalty", -1), ("logit_bias", {"5": 10}), ("suffix", "w2"), ("frobnicate", 1),
      ("max_tokens", 0), ("max_tokens", "ten"), ("temperature", "hot"), ("stop", 5), ("prompt", []),
      ("speculation_policy", "fastest"), ("draft_method", "magic"), ("temperature", 500),
@@ -261,3 +263,81 @@ def test_cached_prompt_tokens_and_salts_per_api_key(target_server, tmp_path, tar
         salted.stop()
         plain.stop()
         orchestrator.stop()
+
+
+def _grpc_entries(orchestrators, **fields) -> tuple[list[int], list, list]:
+    """Token ids, logprob entries and prompt logprob entries of a gRPC Generate call."""
+    ids, entries, prompt_entries = [], [], []
+    for message in orchestrators["close"].stub.Generate(orchestrator_pb2.GenerateRequest(**fields)):
+        ids.extend(message.token_ids)
+        entries.extend(message.logprobs)
+        prompt_entries.extend(message.prompt_logprobs)
+    return ids, entries, prompt_entries
+
+
+def test_completions_logprobs_and_echo_are_the_grpc_apis(gateway, orchestrators):
+    prompt = [3, 4, 5, 9]
+    ids, entries, prompt_entries = _grpc_entries(
+        orchestrators, token_ids=orchestrator_pb2.TokenIds(ids=prompt), max_new_tokens=8, logprobs=True,
+        top_logprobs=3, prompt_logprobs=3,
+    )  # fmt: skip
+    client = gateway.client()
+    plain = client.completions.create(model=gateway.model, prompt=prompt, max_tokens=8, temperature=0, logprobs=3)
+    logprobs = plain.choices[0].logprobs
+    assert logprobs.token_logprobs == pytest.approx([e.logprob for e in entries], abs=1e-6)
+    assert len(logprobs.tokens) == len(ids) == plain.usage.completion_tokens
+    assert [len(top) for top in logprobs.top_logprobs] == [3] * len(ids)
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+    # echo: the prompt's text and tokens first; no row scores the first prompt token.
+    echoed = client.completions.create(
+        model=gateway.model, prompt=prompt, max_tokens=8, temperature=0, logprobs=3, echo=True
+    )
+    logprobs = echoed.choices[0].logprobs
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    expected = [e.logprob for e in prompt_entries] + [e.logprob for e in entries]
+    assert logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-6)
+    assert echoed.choices[0].text.startswith(gateway.upstream.tokenizer.decode(prompt, skip_special_tokens=True))
+    # Streamed, each chunk carries its own tokens' logprobs.
+    chunks = list(
+        client.completions.create(
+            model=gateway.model, prompt=prompt, max_tokens=8, temperature=0, logprobs=1, stream=True
+        )
+    )
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx([e.logprob for e in entries], abs=1e-6)
+    # vLLM's prompt_logprobs extension.
+    extra = client.completions.create(
+        model=gateway.model, prompt=prompt, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 1}
+    )
+    listed = extra.choices[0].model_extra["prompt_logprobs"]
+    assert listed[0] is None and len(listed) == len(prompt)
+    assert listed[1][str(prompt[1])]["logprob"] == pytest.approx(prompt_entries[0].logprob, abs=1e-6)
+
+
+def test_chat_logprobs_are_the_grpc_apis(gateway, orchestrators, chat_tokenizer):
+    messages = [{"role": "user", "content": "w3 w4"}]
+    prompt = render_chat(AutoTokenizer.from_pretrained(str(chat_tokenizer)), messages)
+    ids, entries, _ = _grpc_entries(
+        orchestrators, token_ids=orchestrator_pb2.TokenIds(ids=prompt), max_new_tokens=6, logprobs=True, top_logprobs=2
+    )
+    answer = gateway.client().chat.completions.create(
+        model=gateway.model, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = answer.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in entries], abs=1e-6)
+    assert all(len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode()) for c in content)
+
+
+def test_vllm_extras_through_the_gateway(gateway, orchestrators):
+    client = gateway.client()
+    free = client.completions.create(model=gateway.model, prompt=[3, 4, 5], max_tokens=8, temperature=0, logprobs=0)
+    second = gateway.upstream.tokenizer.convert_tokens_to_ids(free.choices[0].logprobs.tokens[1])
+    stopped = client.completions.create(
+        model=gateway.model, prompt=[3, 4, 5], max_tokens=8, temperature=0, extra_body={"stop_token_ids": [second]}
+    )
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 2
+    held = client.completions.create(
+        model=gateway.model, prompt=[3, 4, 5], max_tokens=8, temperature=0,
+        extra_body={"stop_token_ids": [second], "min_tokens": 3, "ignore_eos": True},
+    )  # fmt: skip
+    assert held.usage.completion_tokens >= 3
