@@ -324,6 +324,7 @@ def test_chat_logprobs_are_the_grpc_apis(gateway, orchestrators, chat_tokenizer)
         model=gateway.model, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
     )
     content = answer.choices[0].logprobs.content
+    assert len(content) == len(ids) == answer.usage.completion_tokens
     assert [c.logprob for c in content] == pytest.approx([e.logprob for e in entries], abs=1e-6)
     assert all(len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode()) for c in content)
 
