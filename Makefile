@@ -10,7 +10,7 @@ PAIR ?= default_models/pair
 PROMPT ?= def fibonacci(n):
 HOST ?= 127.0.0.1
 
-.PHONY: setup proto lint test test-long matrix run bench load-bench compare-bench link-bench prefix-bench gpu-bench soak wheel image python-base image-test models evaluate clean
+.PHONY: setup proto lint test test-long matrix run bench load-bench compare-bench link-bench prefix-bench gpu-bench guidellm-bench soak wheel image python-base image-test models evaluate clean
 
 setup: $(INSTALLED) $(GENERATED)
 
@@ -89,6 +89,13 @@ prefix-bench: setup
 # drafts built on the device, C = 1, 8, 32 (bench/gpu.py).
 gpu-bench: setup
 	$(PY) -m bench.gpu --concurrency 1,8,32,64
+
+# guidellm (the vLLM project's load tool) against the gateway: synthetic prompts with ignore_eos, every request
+# must complete (bench/guidellm.py). guidellm pins its own stack, so it gets a virtual environment of its own.
+GUIDELLM_VENV ?= .venv-guidellm
+guidellm-bench: setup
+	test -x $(GUIDELLM_VENV)/bin/guidellm || { $(PYTHON) -m venv $(GUIDELLM_VENV) && $(GUIDELLM_VENV)/bin/pip install --quiet guidellm==0.8.1; }
+	$(PY) -m bench.guidellm --guidellm $(GUIDELLM_VENV)/bin/guidellm
 
 # Many clients with cancellations and bad requests for MINUTES (default 10); a 60-second run is in make test.
 MINUTES ?= 10
