@@ -106,7 +106,7 @@ def test_a_padded_pair_starts_and_is_greedy_identical_to_the_target(pairs, name)
     assert drafted and accepted / drafted > 0.3  # the padded draft really drafts, and agrees often
 
 
-@pytest.mark.parametrize("name", ["narrow draft", "wide draft"])
+@pytest.mark.parametrize("name", ["narrow draft", "wide draft", "emitting target"])
 def test_a_padded_pair_keeps_the_target_distribution(pairs, name):
     pair = pairs[name]
     prompt, samples = [5, 6, 7], 400

@@ -205,6 +205,11 @@ def test_outputs_validate_and_length_outputs_are_valid_prefixes(stack: Stack) ->
         (common_pb2.StructuredOutput(grammar="start: foo"), ["structured_output.grammar", "foo"]),
         (common_pb2.StructuredOutput(choice=common_pb2.Choice(options=[])), ["structured_output.choice"]),
         (common_pb2.StructuredOutput(regex="a" * (64 * 1024 + 1)), ["structured_output.regex", "bytes"]),
+        (common_pb2.StructuredOutput(json_schema="false"), ["structured_output.json_schema", "unsatisfiable"]),
+        (
+            common_pb2.StructuredOutput(json_schema='{"oneOf": [{"type": "number"}, {"type": "integer"}]}'),
+            ["structured_output.json_schema", "oneOf", "#"],
+        ),
     ],
 )
 def test_a_bad_constraint_is_invalid_argument_and_the_next_request_still_speculates(
@@ -463,3 +468,37 @@ def test_a_killed_target_replica_mid_constrained_generation_keeps_the_output(byt
         orchestrator.stop()
         for replica in replicas:
             replica.stop()
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        "true",
+        '{"oneOf": [{"$ref": "#/$defs/n"}, {"$ref": "#/$defs/s"}], "$defs": {"n": {"type": "integer"}, '
+        '"s": {"type": "string", "maxLength": 3}}}',
+    ],
+)
+def test_boolean_and_disjoint_oneof_schemas_are_served(stack: Stack, schema: str) -> None:
+    ended = 0
+    for prompt in ("x", "{", "7"):
+        for k in (0, 3):
+            _, text, last = generate(
+                stack, request(prompt, common_pb2.StructuredOutput(json_schema=schema), num_speculative_tokens=k)
+            )
+            if last.finish_reason == orchestrator_pb2.FINISH_REASON_EOS:
+                jsonschema.validate(json.loads(text), json.loads(schema))
+                ended += 1
+    assert ended  # some outputs completed, and those validate
+
+
+def test_ignore_eos_and_min_tokens_that_a_constraint_cannot_meet_are_refused(stack: Stack) -> None:
+    choice = common_pb2.StructuredOutput(choice=common_pb2.Choice(options=["ab"]))
+    for fields, words in (({"ignore_eos": True}, "ignore_eos"), ({"min_tokens": 6}, "min_tokens cannot be met")):
+        with pytest.raises(grpc.RpcError) as failure:
+            generate(stack, request("x", choice, num_speculative_tokens=2, **fields))
+        assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert words in failure.value.details()
+    still_speculates(stack.orchestrator.stub)
+    # A min_tokens the constraint can meet keeps to it.
+    ids, text, _ = generate(stack, request("x", choice, num_speculative_tokens=2, min_tokens=2))
+    assert text == "ab"
