@@ -39,6 +39,7 @@ class ModelServiceConfig:
     threads: int = 0
     grace_period_s: float = 30.0
     log_level: str = "info"
+    simulated_device: str = ""  # benchmarks only: a modeled GPU's clock (model_host/simulated.py)
 
 
 _HELP: dict[str, str] = {
@@ -72,6 +73,9 @@ _HELP: dict[str, str] = {
     "threads": "torch CPU threads (0: the cores this process may use, from its CPU affinity and cgroup quota)",
     "grace_period_s": "seconds open sessions get to finish after SIGTERM",
     "log_level": "debug, info, warning or error",
+    "simulated_device": "FOR BENCHMARKS ONLY: release each forward at a modeled GPU's clock (a roofline of a GPU "
+    "and a model shape), its logits computed on the CPU as always; one of the profiles of model_host/simulated.py "
+    "(h100-llama-3.1-8b, h100-llama-3.2-1b, 4xh100-llama-3.3-70b, h200-gpu-bench-1b); refused with a GPU device",
 }
 
 
@@ -103,4 +107,16 @@ def parse_model_service_config(prog: str, argv: Sequence[str] | None = None) -> 
         parser.error("--batch-hold-fraction must be in [0, 1]")
     if config.max_batch_tokens < config.prefill_chunk_tokens:
         parser.error("--max-batch-tokens must be at least --prefill-chunk-tokens")
+    if config.simulated_device:
+        from model_host.simulated import profile_named
+
+        try:
+            profile_named(config.simulated_device)
+        except ValueError as exc:
+            parser.error(str(exc))
+        if config.device != "cpu":
+            parser.error(
+                f"--simulated-device models a GPU on the CPU; it cannot run with --device {config.device} "
+                "(drop one of them)"
+            )
     return config

@@ -46,3 +46,11 @@ KV_RESIDENT_BYTES = Gauge(
     "Bytes of the key-value pool written at least once: memory the pool holds, at most its budget's",
     ["service"],
 )
+
+# --simulated-device (benchmarks only): forwards released at a modeled GPU's clock, and those whose CPU
+# time overran it (their figures are the CPU's, not the modeled device's).
+SIMULATED_DEVICE = Gauge("specdec:simulated_device", "1 when forwards run on a modeled device", ["service", "profile"])
+SIMULATED_FORWARDS = Counter("specdec:simulated_forwards", "Forwards released at the modeled clock", ["service"])
+SIMULATED_OVERRUNS = Counter(
+    "specdec:simulated_overrun_forwards", "Forwards whose CPU time overran their modeled time", ["service"]
+)

@@ -19,6 +19,7 @@ import torch
 
 from model_host.forward import Forward
 from model_host.kv_blocks import Row
+from model_host.simulated import SimulatedForward
 
 PROFILE_PREFIX_TOKENS = 32
 _ROUNDS = 5
@@ -55,6 +56,23 @@ def forward_costs(
     for slot in range(batch_sizes[-1]):
         forward.release(slot)
     return sorted((tokens, statistics.median(times)) for tokens, times in by_tokens.items())
+
+
+def modeled_costs(
+    forward: SimulatedForward, max_batch_size: int, max_speculative_tokens: int
+) -> list[tuple[int, float]]:
+    """The curve from a simulated device's model instead of the clock: batches of 1 to max_batch_size
+    rows, 1 to K + 1 tokens wide (the largest verify), after the profile's short prefix. Measured, a
+    curve through at most 160 tokens lies in a GPU's flat region, and its slope would say that K costs
+    nothing past the ridge point (about 300 tokens a forward on an H100)."""
+    batch_sizes = sorted({min(b, max_batch_size) for b in (1, 2, 4, 8, 16, 32, 64, 128, max_batch_size)})
+    widths = sorted({1, 3, 5, max_speculative_tokens + 1})
+    points: dict[int, list[float]] = {}
+    for batch in batch_sizes:
+        for width in widths:
+            rows = [Row(slot, PROFILE_PREFIX_TOKENS, [0] * width, width) for slot in range(batch)]
+            points.setdefault(batch * width, []).append(forward.modeled(rows))
+    return sorted((tokens, statistics.median(times)) for tokens, times in points.items())
 
 
 def overhead_tokens(points: list[tuple[int, float]], default: float, most: float = 4096.0) -> float:

@@ -143,9 +143,17 @@ def run_model_service(
     """The `python -m draft_service` / `python -m target_service` entry point."""
     config = parse_model_service_config(prog, argv)
     configure_logging(config.log_level)
-    threads = config.threads or available_cpus()
+    # A simulated device sleeps through most of each forward: one thread, so that no pool spins meanwhile.
+    threads = config.threads or (1 if config.simulated_device else available_cpus())
     torch.set_num_threads(threads)
-    log.info("threads", torch_threads=threads, source="--threads" if config.threads else "affinity and cgroup quota")
+    source = (
+        "--threads"
+        if config.threads
+        else "--simulated-device"
+        if config.simulated_device
+        else "affinity and cgroup quota"
+    )
+    log.info("threads", torch_threads=threads, source=source)
     try:
         loaded = load_model(config.model, config.device, config.dtype)
     except ValueError as exc:

@@ -28,9 +28,10 @@ from model_host.engine import DEFAULT_OVERHEAD_TOKENS, Engine, EngineLimits, Job
 from model_host.forward import Forward, check_lengths, choose_forward
 from model_host.kv_blocks import BlockStore, blocks_for, kv_budget_tokens
 from model_host.loading import LoadedModel
-from model_host.metrics import CACHED_TOKENS, FED_TOKENS, FORWARD_SECONDS, OPEN_SESSIONS, STEPS
-from model_host.profile import PROFILE_PREFIX_TOKENS, forward_costs, overhead_tokens
+from model_host.metrics import CACHED_TOKENS, FED_TOKENS, FORWARD_SECONDS, OPEN_SESSIONS, SIMULATED_DEVICE, STEPS
+from model_host.profile import PROFILE_PREFIX_TOKENS, forward_costs, modeled_costs, overhead_tokens
 from model_host.sessions import Session, SessionStore
+from model_host.simulated import SimulatedForward, profile_named, simulate
 from serving.constraints import KINDS, ConstraintSpec, Grammars, SessionConstraint
 from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError, invalid_argument, resource_exhausted
 from serving.server import MESSAGE_BUDGET_BYTES
@@ -155,6 +156,11 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             prefix_caching=config.prefix_caching,
         )
         forward = self.make_forward()
+        if config.simulated_device:
+            profile = profile_named(config.simulated_device)
+            layers = int(getattr(loaded.model.config, "num_hidden_layers", 1) or 1)
+            forward = simulate(forward, profile, layers, loaded.vocab_size, self.role)
+            SIMULATED_DEVICE.labels(self.role, profile.name).set(1)
         log.info("engine_forward", forward=forward.name, role=self.role)
         limits = EngineLimits(
             max_batch_size=config.max_batch_size,
@@ -164,7 +170,10 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             batch_hold_fraction=config.batch_hold_fraction,
         )
         widths = (1,) if self.role == "draft" else (1, 3, 5)  # a draft step feeds one token per forward
-        self.forward_costs = forward_costs(forward, loaded.vocab_size, config.max_batch_size, widths)
+        if isinstance(forward, SimulatedForward):  # the modeled clock's own curve, to the largest verify
+            self.forward_costs = modeled_costs(forward, config.max_batch_size, config.max_speculative_tokens)
+        else:
+            self.forward_costs = forward_costs(forward, loaded.vocab_size, config.max_batch_size, widths)
         overhead = overhead_tokens(self.forward_costs, DEFAULT_OVERHEAD_TOKENS)
         log.info("engine_forward_overhead", tokens=round(overhead, 1), role=self.role)
         self.engine = Engine(forward, limits, self.role, overhead)
@@ -271,6 +280,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
                 common_pb2.ForwardCost(batch_tokens=tokens, seconds=seconds) for tokens, seconds in self.forward_costs
             ],
             structured_output_kinds=KINDS if self.grammars is not None else (),
+            simulated_device=config.simulated_device,
         )
 
     def _check_common(self, request: RequestT) -> None:
