@@ -10,7 +10,7 @@ PAIR ?= default_models/pair
 PROMPT ?= def fibonacci(n):
 HOST ?= 127.0.0.1
 
-.PHONY: setup proto lint test test-long matrix run bench load-bench compare-bench link-bench prefix-bench gpu-bench guidellm-bench soak wheel image python-base image-test models evaluate clean
+.PHONY: setup proto lint test test-long matrix run bench load-bench compare-bench link-bench prefix-bench gpu-bench sim-bench guidellm-bench soak wheel image python-base image-test models evaluate clean
 
 setup: $(INSTALLED) $(GENERATED)
 
@@ -89,6 +89,12 @@ prefix-bench: setup
 # drafts built on the device, C = 1, 8, 32 (bench/gpu.py).
 gpu-bench: setup
 	$(PY) -m bench.gpu --concurrency 1,8,32,64
+
+# The load table in a GPU's regime (MODELED device time: --simulated-device on both services), beside its
+# ideal: 8B and 70B targets, short and ~2,000-token contexts, 1 to 128 streams (bench/sim.py; most of an
+# hour). QUICK=1 for a development run of a few minutes.
+sim-bench: setup
+	$(PY) -m bench.sim $(if $(QUICK),--quick,)
 
 # guidellm (the vLLM project's load tool) against the gateway: synthetic prompts with ignore_eos, every request
 # must complete (bench/guidellm.py). guidellm pins its own stack, so it gets a virtual environment of its own.

@@ -66,6 +66,7 @@ class LoadSample:
     accepted_tokens: int = 0
     probe_rounds: int = 0  # K = 0 rounds that asked the draft for one token beside the target's step
     rounds: int = 0  # target session steps, over all requests
+    draft_rounds: int = 0  # of them, rounds that verified a drafted block
     wire_bytes: int = 0  # messages exchanged with the model services, over all requests
     other_ms_per_round: list[float] = field(default_factory=list)  # per request: wall outside the forwards
     cpu_seconds: dict[str, float] = field(default_factory=dict)  # by process, over the run
@@ -98,6 +99,7 @@ async def _client(
                 sample.probe_rounds += message.stats.probe_rounds
                 stats = message.stats
                 sample.rounds += stats.rounds
+                sample.draft_rounds += stats.draft_rounds
                 sample.wire_bytes += stats.wire_bytes
                 if stats.rounds:
                     outside = stats.total_seconds - stats.target_seconds - stats.draft_seconds
@@ -114,9 +116,10 @@ async def run_services(
     rep: int,
     max_new_tokens: int,
     temperature: float = 0.0,
+    ignore_eos: bool = False,
 ) -> LoadSample:
     """C clients, each with its share of the requests, back to back (sampled, seeded by request, at a
-    temperature above 0)."""
+    temperature above 0; with `ignore_eos`, every request runs to max_new_tokens)."""
     sample = LoadSample(config.name, concurrency, rep, 0, 0.0)
     requests = []
     for index, prompt in enumerate(prompts):
@@ -126,6 +129,7 @@ async def run_services(
             speculation_policy=POLICY_BY_NAME[config.policy],
             temperature=temperature,
             seed=1000 * rep + index,
+            ignore_eos=ignore_eos,
         )
         if config.k is not None:
             request.num_speculative_tokens = config.k
@@ -307,17 +311,22 @@ def _process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _forward_seconds(port: int) -> dict[str, float]:
-    """Each model service's engine forward wall so far, from its Prometheus port."""
+def metric_totals(port: int, name: str) -> dict[str, float]:
+    """A counter's (or a histogram's `_sum`) value by service label so far, from a Prometheus port."""
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     totals: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("specdec:engine_forward_seconds_sum{"):
+        if line.startswith(name + "{"):
             service = line.split('service="')[1].split('"')[0]
             totals[service] = float(line.rsplit(" ", 1)[1])
     return totals
+
+
+def _forward_seconds(port: int) -> dict[str, float]:
+    """Each model service's engine forward wall so far, from its Prometheus port."""
+    return metric_totals(port, "specdec:engine_forward_seconds_sum")
 
 
 def _usage(stack: LocalStack) -> tuple[dict[str, float], dict[str, float]]:

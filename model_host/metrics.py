@@ -51,6 +51,11 @@ KV_RESIDENT_BYTES = Gauge(
 # time overran it (their figures are the CPU's, not the modeled device's).
 SIMULATED_DEVICE = Gauge("specdec:simulated_device", "1 when forwards run on a modeled device", ["service", "profile"])
 SIMULATED_FORWARDS = Counter("specdec:simulated_forwards", "Forwards released at the modeled clock", ["service"])
+SIMULATED_STAND_IN_CPU = Counter(
+    "specdec:simulated_stand_in_cpu_seconds",
+    "CPU seconds of the stand-in forwards themselves (simulation cost, not the host's work)",
+    ["service"],
+)
 SIMULATED_OVERRUNS = Counter(
     "specdec:simulated_overrun_forwards", "Forwards whose CPU time overran their modeled time", ["service"]
 )

@@ -158,8 +158,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         forward = self.make_forward()
         if config.simulated_device:
             profile = profile_named(config.simulated_device)
-            layers = int(getattr(loaded.model.config, "num_hidden_layers", 1) or 1)
-            forward = simulate(forward, profile, layers, loaded.vocab_size, self.role)
+            forward = simulate(forward, profile, loaded.model, loaded.vocab_size, self.role)
             SIMULATED_DEVICE.labels(self.role, profile.name).set(1)
         log.info("engine_forward", forward=forward.name, role=self.role)
         limits = EngineLimits(
@@ -280,7 +279,17 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
                 common_pb2.ForwardCost(batch_tokens=tokens, seconds=seconds) for tokens, seconds in self.forward_costs
             ],
             structured_output_kinds=KINDS if self.grammars is not None else (),
-            simulated_device=config.simulated_device,
+            simulated_device=self._simulated_device(),
+        )
+
+    def _simulated_device(self) -> common_pb2.SimulatedDevice | None:
+        forward = self.engine.forward
+        if not isinstance(forward, SimulatedForward):
+            return None
+        return common_pb2.SimulatedDevice(
+            profile=forward.profile.name,
+            kernels_per_layer=forward.kernels.per_layer,
+            kernels_outside_layers=forward.kernels.outside,
         )
 
     def _check_common(self, request: RequestT) -> None:

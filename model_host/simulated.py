@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from model_host.forward import Forward, RowLogits
 from model_host.kv_blocks import Row
-from model_host.metrics import SIMULATED_FORWARDS, SIMULATED_OVERRUNS
+from model_host.metrics import SIMULATED_FORWARDS, SIMULATED_OVERRUNS, SIMULATED_STAND_IN_CPU
 
 log = structlog.get_logger(__name__)
 
@@ -34,7 +34,7 @@ log = structlog.get_logger(__name__)
 # step on an H100, 5.1 ms as a CUDA graph (its 16 GB of weights at 94% of HBM bandwidth: 0.92 kept) and
 # 8.4 ms eager, whose difference over its ~40 kernels a layer is the exposed cost of one launch.
 MEMORY_EFFICIENCY = 0.92
-LAUNCH_SECONDS = 2.5e-6
+LAUNCH_SECONDS = 2.8e-6
 # Large bf16 GEMMs reach about two thirds of dense peak; not checked against a measured prefill here.
 COMPUTE_EFFICIENCY = 0.65
 ALLREDUCE_LATENCY_SECONDS = 8e-6  # one small NCCL all-reduce over NVLink, before its bytes
@@ -96,7 +96,7 @@ class DeviceProfile:
     def seconds(
         self,
         rows: list[tuple[int, int]],  # per row: (tokens cached before, tokens fed)
-        kernels_per_layer: float,
+        kernels: Kernels,
         gathered_tokens: int = 0,  # cached tokens the batch view copied into its window
         windowed: bool = True,  # new keys and values are written to the blocks and to a window
     ) -> float:
@@ -112,7 +112,7 @@ class DeviceProfile:
         )
         memory = moved / (gpu.count * gpu.hbm_bytes_per_s * MEMORY_EFFICIENCY)
         compute = flops / (gpu.count * gpu.bf16_flops_per_s * COMPUTE_EFFICIENCY)
-        fixed = kernels_per_layer * shape.layers * LAUNCH_SECONDS
+        fixed = kernels.total(shape.layers) * LAUNCH_SECONDS
         if gpu.count > 1:  # two all-reduces a layer (attention and MLP outputs): a ring moves 2 (n - 1) / n
             activation = padded * shape.hidden * shape.bytes_per_value
             ring = 2 * (gpu.count - 1) / gpu.count * activation / gpu.link_bytes_per_s
@@ -148,42 +148,79 @@ def profile_named(name: str) -> DeviceProfile:
     return PROFILES[name]
 
 
+@dataclass(frozen=True)
+class Kernels:
+    """Kernels one forward launches: inside each decoder layer, and outside them (embedding, final norm,
+    head, the batch view's masks and indices), so that a shallow stand-in model scales to a deep one."""
+
+    per_layer: float
+    outside: int
+
+    def total(self, layers: int) -> float:
+        return self.per_layer * layers + self.outside
+
+
 class _KernelCount(TorchDispatchMode):
     """Counts the operators a forward dispatches that launch a kernel on a device (not views, not
-    allocations)."""
+    allocations), and how many of them ran inside decoder layers."""
 
     _FREE = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh"})
 
     def __init__(self) -> None:
         super().__init__()
         self.kernels = 0
+        self.in_layers = 0
+        self.depth = 0  # > 0 while a decoder layer runs
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if not func.is_view and func._schema.name.removeprefix("aten::") not in self._FREE:
             self.kernels += 1
+            self.in_layers += self.depth > 0
         return func(*args, **(kwargs or {}))
 
 
-def count_kernels(run: Callable[[], object]) -> int:
-    """Kernels one call of `run` launches (its operators, dispatched on the CPU)."""
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """A causal LM's decoder layers (`model.model.layers`, as Hugging Face's Llama-shaped models hold them)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    return list(layers) if layers is not None else []
+
+
+def count_kernels(run: Callable[[], object], layers: list[torch.nn.Module]) -> Kernels:
+    """Kernels one call of `run` launches (its operators, dispatched on the CPU), split by `layers`."""
     counter = _KernelCount()
-    with torch.inference_mode(), counter:
-        run()
-    return counter.kernels
+
+    def enter(*_: object) -> None:
+        counter.depth += 1
+
+    def leave(*_: object) -> None:
+        counter.depth -= 1
+
+    hooks = [
+        h for layer in layers for h in (layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave))
+    ]
+    try:
+        with torch.inference_mode(), counter:
+            run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    per_layer = counter.in_layers / len(layers) if layers else 0.0
+    return Kernels(per_layer, counter.kernels - counter.in_layers)
 
 
 class SimulatedForward(Forward):
     """A forward whose result is released at the modeled device's clock (module docstring)."""
 
-    def __init__(self, inner: Forward, profile: DeviceProfile, kernels_per_layer: float, role: str) -> None:
+    def __init__(self, inner: Forward, profile: DeviceProfile, kernels: Kernels, role: str) -> None:
         self.inner = inner
         self.profile = profile
-        self.kernels_per_layer = kernels_per_layer
+        self.kernels = kernels
         self.name = f"{inner.name}, simulated {profile.name}"
         self.batched = inner.batched
         self.device = inner.device
         self.store = getattr(inner, "store", None)  # a paged forward's: it counts the rows it gathers
-        self.cpu_seconds = 0.0  # the stand-in forwards' own CPU (simulation cost, not host work)
+        self._stand_in_cpu = SIMULATED_STAND_IN_CPU.labels(role)  # the engine thread's CPU in the forwards
         self._forwards = SIMULATED_FORWARDS.labels(role)
         self._overruns = SIMULATED_OVERRUNS.labels(role)
 
@@ -193,7 +230,7 @@ class SimulatedForward(Forward):
         gathered = cached * gathered_rows // max(1, len(rows))  # rows gathered, at the batch's mean length
         return self.profile.seconds(
             [(row.start, len(row.token_ids)) for row in rows],
-            self.kernels_per_layer,
+            self.kernels,
             gathered,
             windowed=self.store is not None,
         )
@@ -204,7 +241,7 @@ class SimulatedForward(Forward):
         logits = self.inner(rows)
         self.inner.synchronize()
         gathered = (self.store.rows_gathered - gathered_before) if self.store is not None else 0
-        self.cpu_seconds += time.thread_time() - cpu
+        self._stand_in_cpu.inc(time.thread_time() - cpu)
         remaining = self.modeled(rows, gathered) - (time.perf_counter() - started)
         self._forwards.inc()
         if remaining > 0:
@@ -229,22 +266,24 @@ class SimulatedForward(Forward):
         self.inner.synchronize()
 
 
-def simulate(inner: Forward, profile: DeviceProfile, layers: int, vocab_size: int, role: str) -> SimulatedForward:
+def simulate(
+    inner: Forward, profile: DeviceProfile, model: torch.nn.Module, vocab_size: int, role: str
+) -> SimulatedForward:
     """`inner` on the modeled clock: its kernels counted on one row of one token after a short prefix
-    (the shape of a decode step), per layer of the stand-in model (`layers`)."""
+    (the shape of a decode step), inside and outside the stand-in `model`'s decoder layers."""
     prefix = [i % vocab_size for i in range(1, 9)]
     with torch.inference_mode():
         inner([Row(0, 0, prefix, 1)])
-        kernels = count_kernels(lambda: inner([Row(0, len(prefix), [1], 1)]))
+        kernels = count_kernels(lambda: inner([Row(0, len(prefix), [1], 1)]), decoder_layers(model))
     inner.release(0)
-    per_layer = kernels / max(1, layers)
     log.warning(
         "simulated_device",
         role=role,
         profile=profile.name,
         gpu=profile.gpu.name,
         model_shape=profile.shape.name,
-        kernels_per_layer=round(per_layer, 1),
+        kernels_per_layer=round(kernels.per_layer, 1),
+        kernels_outside_layers=kernels.outside,
         detail="forwards are released at a modeled GPU's clock: for benchmarks only, never for serving",
     )
-    return SimulatedForward(inner, profile, per_layer, role)
+    return SimulatedForward(inner, profile, kernels, role)

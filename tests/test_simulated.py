@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from model_host.config import parse_model_service_config
 from model_host.loading import LoadedModel
 from model_host.runtime import ModelServer
-from model_host.simulated import PROFILES, SimulatedForward, count_kernels, profile_named
+from model_host.simulated import PROFILES, Kernels, SimulatedForward, count_kernels, decoder_layers, profile_named
 from specdec.v1 import orchestrator_pb2
 from tests.conftest import collect, hf_greedy
 from tests.servers import OrchestratorThread, orchestrator_config, start_draft, start_target
@@ -22,22 +22,23 @@ from tests.tiny_models import tiny_llama
 # captured as a CUDA graph (docs/design.md, "Modeled device time", for the source).
 EAGER_8B_H100_DECODE_S = 8.4e-3
 GRAPH_8B_H100_DECODE_S = 5.1e-3
+NONE = Kernels(0.0, 0)
+EAGER = Kernels(40.0, 10)  # about what the services' forwards launch
 
 
-def hf_kernels_per_layer() -> float:
-    """Kernels one eager Hugging Face Llama decode step launches per layer (counted on the CPU)."""
+def hf_kernels() -> Kernels:
+    """Kernels one eager Hugging Face Llama decode step launches (counted on the CPU)."""
     model = tiny_llama(64, seed=0, hidden=64, layers=4)
     cache = DynamicCache()
     with torch.inference_mode():
         model(torch.tensor([[1, 2, 3, 4]]), cache=cache, use_cache=True)
-        kernels = count_kernels(lambda: model(torch.tensor([[5]]), cache=cache, use_cache=True))
-    return kernels / 4
+        return count_kernels(lambda: model(torch.tensor([[5]]), cache=cache, use_cache=True), decoder_layers(model))
 
 
 def test_the_8b_profile_matches_the_published_decode_step_eager_and_graphed() -> None:
     profile = profile_named("h100-llama-3.1-8b")
-    eager = profile.seconds([(512, 1)], hf_kernels_per_layer(), windowed=False)
-    graphed = profile.seconds([(512, 1)], 0.0, windowed=False)  # a graph's launches are one, not per kernel
+    eager = profile.seconds([(512, 1)], hf_kernels(), windowed=False)
+    graphed = profile.seconds([(512, 1)], NONE, windowed=False)  # a graph's launches are one, not per kernel
     assert eager == pytest.approx(EAGER_8B_H100_DECODE_S, rel=0.25)
     assert graphed == pytest.approx(GRAPH_8B_H100_DECODE_S, rel=0.25)
 
@@ -45,22 +46,22 @@ def test_the_8b_profile_matches_the_published_decode_step_eager_and_graphed() ->
 @pytest.mark.parametrize("name", sorted(PROFILES))
 def test_each_profile_has_a_gpus_shape(name: str) -> None:
     profile = PROFILES[name]
-    decode = profile.seconds([(128, 1)], 30)
+    decode = profile.seconds([(128, 1)], EAGER)
     # Memory-bound decode: 64 rows cost about what one does at short context.
-    assert profile.seconds([(128, 1)] * 64, 30) < 1.25 * decode
+    assert profile.seconds([(128, 1)] * 64, EAGER) < 1.25 * decode
     # Compute decides a long enough forward: 2,048 tokens cost several decode steps.
-    assert profile.seconds([(0, 2048)], 30) > 3 * decode
+    assert profile.seconds([(0, 2048)], EAGER) > 3 * decode
     # Keys and values are read at each row's real context.
-    assert profile.seconds([(4000, 1)] * 64, 30) > profile.seconds([(100, 1)] * 64, 30)
+    assert profile.seconds([(4000, 1)] * 64, EAGER) > profile.seconds([(100, 1)] * 64, EAGER)
     # The padded width counts: one wide row makes every row of the forward that wide.
     narrow = [(128, 1)] * 63
-    assert profile.seconds([*narrow, (128, 512)], 30) > profile.seconds([*narrow, (128, 1)], 30) * 2
+    assert profile.seconds([*narrow, (128, 512)], EAGER) > profile.seconds([*narrow, (128, 1)], EAGER) * 2
 
 
 def test_tensor_parallelism_pays_all_reduces_and_divides_the_roofline() -> None:
     profile = profile_named("4xh100-llama-3.3-70b")
     single = type(profile)(profile.name, type(profile.gpu)("1x", 3.35e12, 989e12), profile.shape)
-    assert profile.seconds([(128, 1)], 0) < single.seconds([(128, 1)], 0) / 2
+    assert profile.seconds([(128, 1)], NONE) < single.seconds([(128, 1)], NONE) / 2
 
 
 @pytest.mark.parametrize(
@@ -90,7 +91,8 @@ def test_greedy_outputs_are_the_targets_with_the_modeled_clock(simulated, target
     forward = target.servicer.engine.forward
     assert isinstance(forward, SimulatedForward)
     info = target.servicer.model_info()
-    assert info.simulated_device == "h100-llama-3.2-1b"
+    assert info.simulated_device.profile == "h100-llama-3.2-1b"
+    assert info.simulated_device.kernels_per_layer > 10
     # The cost curve is the model's, out to the largest verify of the largest batch.
     config = target.servicer.config
     assert info.forward_costs[-1].batch_tokens == config.max_batch_size * (config.max_speculative_tokens + 1)

@@ -92,6 +92,7 @@ class LocalStack:
     draft_model: str | None
     extra_orchestrator_args: Sequence[str] = ()
     extra_service_args: Sequence[str] = ()
+    role_args: dict[str, Sequence[str]] = field(default_factory=dict)  # more flags for "target" or "draft" alone
     log_dir: Path | None = None
     startup_timeout_s: float = 300.0
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
@@ -126,6 +127,9 @@ class LocalStack:
             os.sched_setaffinity(process.pid, self.cpus[name])
         return process
 
+    def _role_args(self, role: str) -> list[str]:
+        return [*self._service_args(), *self.role_args.get(role, ())]
+
     def _service_args(self) -> list[str]:
         """The services share this machine's cores: unless told otherwise, each model service gets
         half of those this process may use (its affinity and cgroup quota), so that two OpenMP pools
@@ -147,7 +151,7 @@ class LocalStack:
                 host, target_port = self._place(name)
                 addresses.append(f"{host}:{target_port}")
                 target = self._spawn(
-                    name, service_command("target", self.target_model, host, target_port, *self._service_args())
+                    name, service_command("target", self.target_model, host, target_port, *self._role_args("target"))
                 )
                 waits.append((addresses[-1], target))
             self.target_address = ",".join(addresses)
@@ -155,7 +159,7 @@ class LocalStack:
                 host, draft_port = self._place("draft")
                 self.draft_address = f"{host}:{draft_port}"
                 draft = self._spawn(
-                    "draft", service_command("draft", self.draft_model, host, draft_port, *self._service_args())
+                    "draft", service_command("draft", self.draft_model, host, draft_port, *self._role_args("draft"))
                 )
                 waits.append((self.draft_address, draft))
             for address, process in waits:
