@@ -187,7 +187,9 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def count_kernels(run: Callable[[], object], layers: list[torch.nn.Module]) -> Kernels:
-    """Kernels one call of `run` launches (its operators, dispatched on the CPU), split by `layers`."""
+    """Kernels one call of `run` launches (its operators, dispatched on the CPU), split by `layers`; all
+    of them spread over the layers when none ran inside one (an upper bound on the fixed cost's growth
+    with depth)."""
     counter = _KernelCount()
 
     def enter(*_: object) -> None:
@@ -205,8 +207,9 @@ def count_kernels(run: Callable[[], object], layers: list[torch.nn.Module]) -> K
     finally:
         for hook in hooks:
             hook.remove()
-    per_layer = counter.in_layers / len(layers) if layers else 0.0
-    return Kernels(per_layer, counter.kernels - counter.in_layers)
+    if not counter.in_layers:  # a forward of its own that never calls the layers' modules (the lean draft)
+        return Kernels(counter.kernels / max(1, len(layers)), 0)
+    return Kernels(counter.in_layers / len(layers), counter.kernels - counter.in_layers)
 
 
 class SimulatedForward(Forward):

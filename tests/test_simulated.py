@@ -93,6 +93,8 @@ def test_greedy_outputs_are_the_targets_with_the_modeled_clock(simulated, target
     info = target.servicer.model_info()
     assert info.simulated_device.profile == "h100-llama-3.2-1b"
     assert info.simulated_device.kernels_per_layer > 10
+    # The lean draft never calls the layers' modules: its kernels are spread over its layers.
+    assert draft.servicer.model_info().simulated_device.kernels_per_layer > 10
     # The cost curve is the model's, out to the largest verify of the largest batch.
     config = target.servicer.config
     assert info.forward_costs[-1].batch_tokens == config.max_batch_size * (config.max_speculative_tokens + 1)
