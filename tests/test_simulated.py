@@ -86,7 +86,7 @@ def simulated(target_model: LoadedModel, close_draft_model: LoadedModel) -> Iter
     draft.stop()
 
 
-def test_greedy_outputs_are_the_targets_with_the_modeled_clock(simulated, target_model):
+def test_outputs_are_the_targets_with_the_modeled_clock(simulated, target_model, orchestrators):
     target, draft = simulated
     forward = target.servicer.engine.forward
     assert isinstance(forward, SimulatedForward)
@@ -112,6 +112,17 @@ def test_greedy_outputs_are_the_targets_with_the_modeled_clock(simulated, target
                 assert got == hf_greedy(target_model, prompt, 16)
                 # Each target forward took at least its modeled time: a decode step's is about 3 ms.
                 assert last.stats.target_seconds >= 0.002 * last.stats.rounds
+        # Sampled, a seed gives the same tokens with and without the modeled clock (timing only changes).
+        for seed in range(3):
+            request = orchestrator_pb2.GenerateRequest(
+                token_ids=orchestrator_pb2.TokenIds(ids=[5, 6, 7]),
+                max_new_tokens=16,
+                temperature=1.0,
+                seed=seed,
+                num_speculative_tokens=4,
+                speculation_policy=orchestrator_pb2.SPECULATION_POLICY_FIXED,
+            )
+            assert collect(orchestrator.stub, request)[0] == collect(orchestrators["close"].stub, request)[0]
     finally:
         orchestrator.stop()
     assert forward._forwards._value.get() > 0
