@@ -19,7 +19,7 @@ import torch
 
 from model_host.forward import Forward
 from model_host.kv_blocks import Row
-from model_host.simulated import SimulatedForward
+from model_host.simulated import SimulatedForward, modeled_curve
 
 PROFILE_PREFIX_TOKENS = 32
 _ROUNDS = 5
@@ -67,12 +67,7 @@ def modeled_costs(
     nothing past the ridge point (about 300 tokens a forward on an H100)."""
     batch_sizes = sorted({min(b, max_batch_size) for b in (1, 2, 4, 8, 16, 32, 64, 128, max_batch_size)})
     widths = sorted({1, 3, 5, max_speculative_tokens + 1})
-    points: dict[int, list[float]] = {}
-    for batch in batch_sizes:
-        for width in widths:
-            rows = [Row(slot, PROFILE_PREFIX_TOKENS, [0] * width, width) for slot in range(batch)]
-            points.setdefault(batch * width, []).append(forward.modeled(rows))
-    return sorted((tokens, statistics.median(times)) for tokens, times in points.items())
+    return modeled_curve(forward.profile, forward.kernels, batch_sizes, widths, PROFILE_PREFIX_TOKENS)
 
 
 def overhead_tokens(points: list[tuple[int, float]], default: float, most: float = 4096.0) -> float:

@@ -16,6 +16,7 @@ tensor parallelism. docs/design.md ("Modeled device time") gives every parameter
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -210,6 +211,30 @@ def count_kernels(run: Callable[[], object], layers: list[torch.nn.Module]) -> K
     if not counter.in_layers:  # a forward of its own that never calls the layers' modules (the lean draft)
         return Kernels(counter.kernels / max(1, len(layers)), 0)
     return Kernels(counter.in_layers / len(layers), counter.kernels - counter.in_layers)
+
+
+def hf_decode_kernels(model: torch.nn.Module) -> Kernels:
+    """Kernels one eager Hugging Face decode step of `model` launches (one token after four), on its device."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2, 3, 4]], device=device), cache=cache, use_cache=True)
+        step = torch.tensor([[5]], device=device)
+        return count_kernels(lambda: model(step, cache=cache, use_cache=True), decoder_layers(model))
+
+
+def modeled_curve(
+    profile: DeviceProfile, kernels: Kernels, batch_sizes: list[int], widths: list[int], prefix: int
+) -> list[tuple[int, float]]:
+    """The start-up cost curve's shapes, modeled: [(batch tokens, seconds)], the median over shapes that
+    feed as many tokens (model_host/profile.py measures the same shapes)."""
+    points: dict[int, list[float]] = {}
+    for batch in batch_sizes:
+        for width in widths:
+            points.setdefault(batch * width, []).append(profile.seconds([(prefix, width)] * batch, kernels))
+    return sorted((tokens, statistics.median(times)) for tokens, times in points.items())
 
 
 class SimulatedForward(Forward):

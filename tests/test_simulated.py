@@ -6,13 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import torch
-from transformers import DynamicCache
 
 from model_host.config import parse_model_service_config
 from model_host.loading import LoadedModel
 from model_host.runtime import ModelServer
-from model_host.simulated import PROFILES, Kernels, SimulatedForward, count_kernels, decoder_layers, profile_named
+from model_host.simulated import PROFILES, Kernels, SimulatedForward, hf_decode_kernels, profile_named
 from specdec.v1 import orchestrator_pb2
 from tests.conftest import collect, hf_greedy
 from tests.servers import OrchestratorThread, orchestrator_config, start_draft, start_target
@@ -28,11 +26,7 @@ EAGER = Kernels(40.0, 10)  # about what the services' forwards launch
 
 def hf_kernels() -> Kernels:
     """Kernels one eager Hugging Face Llama decode step launches (counted on the CPU)."""
-    model = tiny_llama(64, seed=0, hidden=64, layers=4)
-    cache = DynamicCache()
-    with torch.inference_mode():
-        model(torch.tensor([[1, 2, 3, 4]]), cache=cache, use_cache=True)
-        return count_kernels(lambda: model(torch.tensor([[5]]), cache=cache, use_cache=True), decoder_layers(model))
+    return hf_decode_kernels(tiny_llama(64, seed=0, hidden=64, layers=4))
 
 
 def test_the_8b_profile_matches_the_published_decode_step_eager_and_graphed() -> None:
