@@ -42,7 +42,7 @@ import grpc
 from transformers import AutoTokenizer
 
 from bench.compare import geomean, interval
-from bench.load import LoadConfig, LoadSample, _process_cpu, metric_totals, percentile, run_services
+from bench.load import PINNED, LoadConfig, LoadSample, _process_cpu, metric_totals, percentile, run_services
 from bench.sim_pair import build_sim_pair
 from default_models.prompts import held_out_prompts
 from model_host.simulated import DeviceProfile, Kernels, profile_named
@@ -292,7 +292,9 @@ def plot(rows: list[dict[str, Any]], out: Path) -> Path:
     return path
 
 
-def stack_for(folder: Path, draft: str, target_profile: str, draft_profile: str, log_dir: Path) -> LocalStack:
+def stack_for(
+    folder: Path, draft: str, target_profile: str, draft_profile: str, log_dir: Path, pinned: bool
+) -> LocalStack:
     common = ["--threads", "1", "--max-batch-size", "128", "--max-sessions", "256", "--max-cached-tokens", "600000"]
     return LocalStack(
         str(folder / "target"),
@@ -305,6 +307,7 @@ def stack_for(folder: Path, draft: str, target_profile: str, draft_profile: str,
         extra_orchestrator_args=["--max-running-requests", "256"],
         with_metrics=True,
         log_dir=log_dir,
+        cpus=PINNED if pinned else {},
     )
 
 
@@ -316,6 +319,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="8b, streams 1,16,64, short context, 2 rounds, 32 tokens")
+    parser.add_argument(
+        "--placement",
+        choices=("pinned", "shared"),
+        default="pinned",
+        help="pinned: the target on a core of its own, the rest (draft, orchestrator, clients) on the other, so "
+        "that the target's stand-in forwards keep to the modeled clock; shared: every process on every core",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     if args.quick:
@@ -326,9 +336,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     streams = [int(s) for s in args.streams.split(",")]
     cells: list[Cell] = []
     clocks: dict[str, Clock] = {}
+    pinned = args.placement == "pinned" and len(os.sched_getaffinity(0)) >= 2
+    if pinned:
+        os.sched_setaffinity(0, PINNED["draft"])  # the clients share the draft's and orchestrator's core
     for profile in args.profiles.split(","):
         target_profile, draft_profile = PROFILES[profile]
-        stacks = {d: stack_for(folder, d, target_profile, draft_profile, args.out / "logs" / f"sim-{profile}-{d}")
+        logs = args.out / "logs"
+        stacks = {d: stack_for(folder, d, target_profile, draft_profile, logs / f"sim-{profile}-{d}", pinned)
                   for d in ("draft", "unrelated")}  # fmt: skip
         with stacks["draft"], stacks["unrelated"]:
             clocks[profile] = clock_of(stacks["draft"].orchestrator_address)
