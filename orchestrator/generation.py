@@ -579,8 +579,15 @@ class Generation:
         replica's fault: INTERNAL, and the replica avoided."""
         if not self.request.logprobs:
             return []
+        top = self.request.top_logprobs
+        return self._target_entries(response.logprobs, token_ids, top, top)
+
+    def _target_entries(
+        self, message: common_pb2.TokenLogprobs, token_ids: list[int], top: int, sent_top: int
+    ) -> list[orchestrator_pb2.TokenLogprob]:
+        """`entries_from_wire`, a malformed answer being the target replica's fault."""
         try:
-            return entries_from_wire(response.logprobs, token_ids, self.request.top_logprobs, self.request.top_logprobs)
+            return entries_from_wire(message, token_ids, top, sent_top)
         except WireFormatError as exc:
             self.target.reset()
             raise ServiceError(grpc.StatusCode.INTERNAL, f"the target replica sent unusable logprobs: {exc}") from exc
@@ -592,13 +599,7 @@ class Generation:
             return
         sent_top = max(request.top_logprobs if request.logprobs else 0, request.prompt_logprobs)
         scored = request.prompt_token_ids[1 : prompt_rows + 1]
-        try:
-            self.prompt_logprobs = entries_from_wire(
-                response.prompt_logprobs, scored, request.prompt_logprobs, sent_top
-            )
-        except WireFormatError as exc:
-            self.target.reset()
-            raise ServiceError(grpc.StatusCode.INTERNAL, f"the target replica sent unusable logprobs: {exc}") from exc
+        self.prompt_logprobs = self._target_entries(response.prompt_logprobs, scored, request.prompt_logprobs, sent_top)
 
     def _check_sampled(
         self, draft: Draft, response: target_pb2.VerifyResponse, uniforms: torch.Tensor

@@ -107,8 +107,9 @@ def collect(
     return ids, text, last
 
 
-def hf_greedy(model: LoadedModel, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """The target model decoding alone: Hugging Face generate(), greedy."""
+def hf_generate(model: LoadedModel, prompt: list[int], max_new_tokens: int, **kwargs: Any) -> tuple[list[int], Any]:
+    """The target model decoding alone: Hugging Face generate(), greedy (`kwargs`: its other options),
+    and its processed scores, one [1, vocab] row per generated token."""
     with torch.no_grad():
         output = model.model.generate(
             torch.tensor([prompt]),
@@ -117,8 +118,16 @@ def hf_greedy(model: LoadedModel, prompt: list[int], max_new_tokens: int) -> lis
             num_beams=1,
             pad_token_id=0,
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            output_scores=True,
+            return_dict_in_generate=True,
+            **kwargs,
         )
-    return output[0, len(prompt) :].tolist()
+    return output.sequences[0, len(prompt) :].tolist(), output.scores
+
+
+def hf_greedy(model: LoadedModel, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The target model decoding alone: Hugging Face generate(), greedy."""
+    return hf_generate(model, prompt, max_new_tokens)[0]
 
 
 def client_json(server: str, *args: str, timeout: float = 120) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from orchestrator.servicer import PairMismatch, check_pair
 from specdec.v1 import common_pb2, orchestrator_pb2
 from tests.conftest import collect, hf_greedy
 from tests.servers import OrchestratorThread, load, orchestrator_config, start_draft, start_target
-from tests.test_sampling_exactness import chi_square_pvalue
+from tests.test_sampling_exactness import first_token_pvalue, first_token_request
 from tests.tiny_models import perturbed_copy, save, tiny_llama, word_tokenizer
 
 TOKENIZER_TOKENS = 96  # ids past this are padding
@@ -112,15 +112,7 @@ def test_a_padded_pair_keeps_the_target_distribution(pairs, name):
     prompt, samples = [5, 6, 7], 400
 
     def first_token(seed: int) -> int:
-        message = orchestrator_pb2.GenerateRequest(
-            token_ids=orchestrator_pb2.TokenIds(ids=prompt),
-            max_new_tokens=2,
-            temperature=1.0,
-            seed=seed,
-            num_speculative_tokens=1,
-            overlap_drafting=False,
-        )
-        tokens, _, last = collect(pair.orchestrator.stub, message)
+        tokens, _, last = collect(pair.orchestrator.stub, first_token_request(prompt, seed, overlap_drafting=False))
         # The draft's rows were usable at the target's width (a wide draft's padding ids masked).
         assert last.stats.draft_fallback_rounds == 0 and last.stats.draft_tokens
         return tokens[0]
@@ -128,9 +120,8 @@ def test_a_padded_pair_keeps_the_target_distribution(pairs, name):
     with ThreadPoolExecutor(8) as pool:
         counts = Counter(pool.map(first_token, range(samples)))
     with torch.no_grad():
-        probs = pair.target.model(torch.tensor([prompt])).logits[0, -1].softmax(-1).double()
-    expected: dict[tuple[int, ...], float] = {(t,): float(p) for t, p in enumerate(probs)}
-    pvalue = chi_square_pvalue(Counter({(t,): c for t, c in counts.items()}), expected, samples)
+        probs = pair.target.model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+    pvalue = first_token_pvalue(counts, probs, samples)
     assert pvalue > 0.01, pvalue
 
 

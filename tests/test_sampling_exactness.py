@@ -506,6 +506,12 @@ def test_a_sampled_round_moves_at_most_two_rows(orchestrators, target_model):
     assert greedy.stats.wire_bytes < greedy.stats.rounds * 1024
 
 
+def first_token_pvalue(counts: Counter[int], probs: torch.Tensor, samples: int) -> float:
+    """The chi-square p-value of first tokens' `counts` against a distribution, probs [vocab]."""
+    expected: dict[tuple[int, ...], float] = {(t,): float(p) for t, p in enumerate(probs.double())}
+    return chi_square_pvalue(Counter({(t,): c for t, c in counts.items()}), expected, samples)
+
+
 def first_token_request(prompt: list[int], seed: int, **fields: Any) -> orchestrator_pb2.GenerateRequest:
     """A sampled request whose first token is the one the test counts (its first round drafts 1 token)."""
     return orchestrator_pb2.GenerateRequest(
@@ -534,7 +540,5 @@ def test_real_services_first_token_distribution(orchestrators, target_model, con
         counts: Counter[int] = Counter(pool.map(first_token, range(samples)))
     with torch.no_grad():
         logits = target_model.model(torch.tensor([prompt])).logits[0, -1]
-    probs = logits.softmax(-1).double().numpy()
-    expected: dict[tuple[int, ...], float] = {(t,): float(p) for t, p in enumerate(probs)}
-    pvalue = chi_square_pvalue(Counter({(t,): c for t, c in counts.items()}), expected, samples)
+    pvalue = first_token_pvalue(counts, logits.softmax(-1), samples)
     assert pvalue > 0.01, pvalue

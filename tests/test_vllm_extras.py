@@ -15,8 +15,8 @@ from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWa
 
 from model_host.loading import LoadedModel
 from specdec.v1 import orchestrator_pb2
-from tests.conftest import RawSession, collect, hf_greedy
-from tests.test_sampling_exactness import chi_square_pvalue
+from tests.conftest import RawSession, collect, hf_generate, hf_greedy
+from tests.test_sampling_exactness import first_token_pvalue
 
 EOS = 0
 FIXED = orchestrator_pb2.SPECULATION_POLICY_FIXED
@@ -53,23 +53,6 @@ def greedy_alone(model: LoadedModel, prompt: list[int], n: int) -> list[int]:
         for _ in range(n):
             sequence.append(int(model.model(torch.tensor([sequence])).logits[0, -1].argmax()))
     return sequence[len(prompt) :]
-
-
-def hf_generate(model: LoadedModel, prompt: list[int], max_new_tokens: int, **kwargs: Any) -> tuple[list[int], Any]:
-    """Hugging Face generate(), greedy, with its processed scores."""
-    with torch.no_grad():
-        output = model.model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            num_beams=1,
-            pad_token_id=0,
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            output_scores=True,
-            return_dict_in_generate=True,
-            **kwargs,
-        )
-    return output.sequences[0, len(prompt) :].tolist(), output.scores
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +105,6 @@ def test_min_tokens_keeps_the_target_distribution_under_sampling(orchestrators, 
     banned = logits.topk(3).indices.tolist()
     logits[banned] = float("-inf")
     logits[EOS] = float("-inf")
-    probs = logits.softmax(-1).double()
     samples = 400
     stub = orchestrators["close"].stub
 
@@ -135,8 +117,7 @@ def test_min_tokens_keeps_the_target_distribution_under_sampling(orchestrators, 
 
     with ThreadPoolExecutor(8) as pool:
         counts = Counter(pool.map(first_token, range(samples)))
-    expected: dict[tuple[int, ...], float] = {(t,): float(p) for t, p in enumerate(probs)}
-    pvalue = chi_square_pvalue(Counter({(t,): c for t, c in counts.items()}), expected, samples)
+    pvalue = first_token_pvalue(counts, logits.softmax(-1), samples)
     assert pvalue > 0.01, pvalue
 
 
