@@ -31,11 +31,14 @@ import torch
 
 from default_models.prompts import held_out_prompts
 from draft_service.lean import LeanDraft
+from model_host.batching import group_ends
 from model_host.config import ModelServiceConfig
-from model_host.engine import DEFAULT_OVERHEAD_TOKENS, group_ends
+from model_host.engine import DEFAULT_OVERHEAD_TOKENS
 from model_host.forward import BatchedForward, Forward
-from model_host.kv_blocks import BlockStore, Row
+from model_host.kv_blocks import BlockStore
+from model_host.kv_memory import pool_size
 from model_host.loading import LoadedModel, load_model
+from model_host.rows import Row
 from tools.local_stack import DEFAULT_PAIR
 
 
@@ -55,7 +58,10 @@ def run(
 ) -> dict[str, float]:
     """One pass over 2 x C requests; the loop's figures."""
     rng = random.Random(0)
-    budget = int(ModelServiceConfig().max_cached_tokens)  # the services' default
+    defaults = ModelServiceConfig()
+    budget = pool_size(  # the services' default
+        defaults.max_cached_tokens, loaded, defaults.max_sessions, defaults.max_batch_size, defaults.kv_block_tokens
+    ).tokens
     store = BlockStore(loaded.input_device, loaded.dtype, loaded.max_context, budget)
     forward: Forward | None = LeanDraft.attach(loaded.model, store) if model == "draft" else None
     forward = forward or BatchedForward(loaded.model, store)
@@ -113,8 +119,8 @@ def run(
     return {
         "tokens_per_second": tokens / seconds,
         "steady_forward_ms": 1000 * statistics.median(steady_seconds) if steady_seconds else float("nan"),
-        "rows_gathered_per_forward": store.rows_gathered / forwards,
-        "forwards_gathering_nothing": store.windows_continued / forwards,
+        "rows_gathered_per_forward": store.windows.rows_gathered / forwards,
+        "forwards_gathering_nothing": store.windows.continued / forwards,
     }
 
 

@@ -31,8 +31,9 @@ from transformers import DynamicCache
 from default_models.corpus import HELD_OUT_MODULES, load_corpus, read_text
 from default_models.prompts import held_out_prompts
 from draft_service.lean import LeanDraft
-from model_host.kv_blocks import BlockStore, Row
+from model_host.kv_blocks import BlockStore
 from model_host.loading import LoadedModel, load_model
+from model_host.rows import Row
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from tools.client import generate
 from tools.local_stack import LocalStack

@@ -22,7 +22,8 @@ from transformers.activations import ACT2FN
 from model_host.attention import FULL, SLIDING, AttentionLayout
 from model_host.batch_view import BatchView
 from model_host.forward import CHECK_ERRORS, PagedForward, RowLogits, disagreement, tolerance
-from model_host.kv_blocks import BlockStore, Row
+from model_host.kv_blocks import BlockStore
+from model_host.rows import Row
 
 log = structlog.get_logger(__name__)
 

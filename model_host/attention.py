@@ -91,10 +91,11 @@ class AttentionLayout:
 
 
 def visible_keys(layer: LayerAttention, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Where a query at `positions` [B, T] may attend to keys at `keys` [L]: [B, T, L] booleans, with the
-    same arithmetic as transformers' mask functions (masking_utils: causal, sliding window, chunked)."""
+    """Where a query at `positions` [B, T] may attend to keys at `keys` [B or 1, L] (each key's
+    position: a tree's keys sit at their depth's): [B, T, L] booleans, with the same arithmetic as
+    transformers' mask functions (masking_utils: causal, sliding window, chunked)."""
     query = positions[:, :, None]  # [B, T, 1]
-    key = keys[None, None, :]  # [1, 1, L]
+    key = keys[:, None, :]  # [B or 1, 1, L]
     visible = key <= query
     if layer.layer_type == SLIDING and layer.span is not None:
         visible &= key > query - layer.span

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from model_host.attention import GLOBAL, LayerAttention, visible_keys
-from model_host.kv_blocks import SCRATCH, BlockStore, Row
+from model_host.kv_blocks import SCRATCH, BlockStore
+from model_host.rows import Row
 
 
 def split_logits(logits: torch.Tensor, rows: list[Row]) -> list[torch.Tensor | None]:
@@ -92,7 +93,7 @@ class BatchView:
             write += [SCRATCH * span] * pad
             write += _addresses(table, row.start, end, span)
             positions += [0] * pad
-            positions += range(row.start, end)
+            positions += [row.start + depth for depth in row.depths()] if row.parents else range(row.start, end)
         self.write_index = torch.tensor(write, dtype=torch.long, device=device)
         if self.fresh is not None:  # a kept window: the new tokens go into its rows too
             in_window: list[int] = []  # [B * T] row b's at b * capacity (padding: its last position)
@@ -108,33 +109,49 @@ class BatchView:
         self.into_blocks: torch.Tensor | None = None
         if self.fresh is None:  # every row, padded to the window's capacity: one copy per tensor
             read = [block for table in self._tables for block in _padded(table, per_row)]
-            self._finite = len(rows)
         else:  # rows that join a kept window: one copy per row (docs/design.md, "Keys and values live in blocks")
-            # Only a row's own blocks where an earlier forward wrote its window row whole (what lies past
-            # them is finite), else padded to the capacity with the scratch block: window buffers are
-            # allocated uninitialised, and a masked NaN would still turn the row's attention into NaN.
+            # Only a row's own blocks: what lies past them in the window row is finite (zeroed at start,
+            # or an earlier session's keys), and masked.
             read = []
             self.joins: list[tuple[int, int, int]] = []  # (first block in the window, in read_blocks, count)
-            self._finite = self.window.finite
-            for index in self.fresh:  # ascending
+            for index in self.fresh:
                 table = self._tables[index]
-                if index >= self.window.finite:
-                    table = _padded(table, per_row)
-                    if index == self._finite:
-                        self._finite += 1
                 self.joins.append((index * per_row, len(read), len(table)))
                 read += table
             if _one_copy(device):
                 into = [first + offset for first, _, count in self.joins for offset in range(count)]
                 self.into_blocks = torch.tensor(into, dtype=torch.long, device=device)
         self.read_blocks = torch.tensor(read, dtype=torch.long, device=device)
+        self._trees = [(index, row) for index, row in enumerate(rows) if row.parents]
 
     def mask(self, layer: LayerAttention = GLOBAL) -> torch.Tensor:
         """[B, 1, T, L] True where a query may attend, for a layer of this pattern (built once per view)."""
         mask = self._masks.get(layer)
         if mask is None:
-            mask = self._masks[layer] = visible_keys(layer, self._keys, self.position_ids)[:, None]
+            tree = self._tree_mask(layer) if self._trees else None
+            mask = tree if tree is not None else visible_keys(layer, self._keys[None], self.position_ids)
+            mask = self._masks[layer] = mask[:, None]
         return mask
+
+    def _tree_mask(self, layer: LayerAttention) -> torch.Tensor:
+        """[B, T, L] for a batch with tree rows: a tree token's key sits at its depth's position (so
+        windows and chunks are measured along its path), and a tree query sees, of the tree, its
+        ancestors and itself alone."""
+        batch, width = self.position_ids.shape
+        key_positions = self._keys[None].repeat(batch, 1)  # [B, L]
+        ancestors = torch.ones((batch, width, self.kv_length), dtype=torch.bool, device=self._keys.device)
+        for index, row in self._trees:
+            count, depths = len(row.token_ids), row.depths()
+            tree = slice(row.start, row.start + count)
+            key_positions[index, tree] = torch.tensor([row.start + d for d in depths], device=self._keys.device)
+            seen = torch.zeros((count, count), dtype=torch.bool)
+            for token, parent in enumerate(row.parents):
+                if parent >= 0:
+                    seen[token] = seen[parent]
+                seen[token, token] = True
+            ancestors[index, width - count :, tree] = seen.to(self._keys.device)
+            ancestors[index, : width - count, tree] = False  # padding queries see key 0 alone
+        return visible_keys(layer, key_positions, self.position_ids) & ancestors
 
     def input_ids(self) -> torch.Tensor:
         """[B, T] the rows' tokens, right-aligned (padding is token 0, never seen)."""
@@ -192,9 +209,8 @@ class BatchView:
         """The forward succeeded with `logits` [B, kept, vocab] (rows in window order): its full blocks
         become reusable, the window holds its tokens, and each row's last num_logits logits come back in
         the order the rows were given (None where it wants none)."""
-        self.store.commit(self.rows)
-        self.window.valid = [row.start + len(row.token_ids) for row in self.rows]
-        self.window.finite = max(self.window.finite, self._finite)
+        self.store.commit(self.rows)  # a tree row's tokens are dropped: its session holds what it held
+        self.window.valid = [row.start + (0 if row.parents else len(row.token_ids)) for row in self.rows]
         given: list[torch.Tensor | None] = [None] * len(self.rows)
         for index, row_logits in zip(self.order, split_logits(logits, self.rows), strict=True):
             given[index] = row_logits

@@ -19,7 +19,7 @@ class ModelServiceConfig:
     device: str = "cpu"
     dtype: str = "auto"
     max_sessions: int = 64
-    max_cached_tokens: str = "262144"  # or "auto"
+    max_cached_tokens: str = "sessions"  # or "auto", or a number (model_host/kv_memory.py)
     kv_block_tokens: int = 16
     prefix_caching: bool = True
     session_idle_timeout_s: float = 300.0
@@ -49,9 +49,11 @@ _HELP: dict[str, str] = {
     "device": "cpu, cuda, cuda:N, or auto (spread over all GPUs with accelerate's device map)",
     "dtype": "float32, float16, bfloat16, or auto (the checkpoint's dtype on GPU, float32 on CPU)",
     "max_sessions": "most sessions held at once (RESOURCE_EXHAUSTED beyond)",
-    "max_cached_tokens": "most tokens cached over all sessions (RESOURCE_EXHAUSTED beyond): the key-value blocks "
-    "allocated once at start-up; auto: 8/11 of 90%% of the GPU memory free after loading the weights (on CPU, "
-    "of half the memory available), the rest left to the forward's gather buffers",
+    "max_cached_tokens": "most tokens cached over all sessions (RESOURCE_EXHAUSTED beyond): the key-value blocks, "
+    "allocated and written at start-up with the gather windows' buffers (start-up fails, naming this flag, when "
+    "the memory cannot hold them); sessions (the default): --max-sessions sessions at the model's full context, "
+    "capped as auto; auto: what 90%% of the GPU memory free after loading the weights holds (on CPU, half of the "
+    "memory available), less the gather windows; or a number of tokens",
     "kv_block_tokens": "tokens per key-value block: the unit of allocation and of prefix reuse",
     "prefix_caching": "keep full blocks indexed by their prefix, so a session whose tokens begin alike starts "
     "from them (--no-prefix-caching: every session computes its prompt; a seed then reproduces exactly)",
@@ -97,11 +99,12 @@ def parse_model_service_config(prog: str, argv: Sequence[str] | None = None) -> 
     for name in positive:
         if getattr(config, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if config.max_cached_tokens != "auto" and not (
+    if config.max_cached_tokens not in ("auto", "sessions") and not (
         config.max_cached_tokens.isdigit() and int(config.max_cached_tokens)
     ):
         parser.error(
-            f"--max-cached-tokens must be a positive number of tokens or auto; got {config.max_cached_tokens!r}"
+            "--max-cached-tokens must be a positive number of tokens, sessions or auto; "
+            f"got {config.max_cached_tokens!r}"
         )
     if not 0.0 <= config.batch_hold_fraction <= 1.0:
         parser.error("--batch-hold-fraction must be in [0, 1]")

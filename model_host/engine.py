@@ -22,10 +22,12 @@ import grpc
 import structlog
 import torch
 
+from model_host.batching import chunk_tokens, group_ends
 from model_host.forward import Forward, RowLogits
-from model_host.kv_blocks import Row
+from model_host.kv_blocks import OutOfBlocks
 from model_host.metrics import BATCH_SIZE, BATCH_TOKENS, ENGINE_FORWARD_SECONDS, QUEUE_SECONDS
-from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError, resource_exhausted
+from model_host.rows import Row
+from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError, invalid_argument, resource_exhausted
 from serving.memory import release_freed_memory
 
 log = structlog.get_logger(__name__)
@@ -65,6 +67,10 @@ class Job:
     comes_straight_back: bool = True
     cache_salt: bytes = b""  # keeps this session's cached prefix blocks apart from other salts'
     reused: int = 0  # tokens of `pending` found in the prefix cache and not fed
+    # The most tokens the session holds by the step's end (0: start + pending), which the step reserves
+    # blocks for before its first forward: more than `pending` when `advance` feeds more (the draft's).
+    max_length: int = 0
+    parents: tuple[int, ...] = ()  # a tree step: each pending token's parent (model_host/kv_blocks.Row)
 
     def most_reused(self) -> int:
         """How many of the tokens to feed may come from the prefix cache: all but those whose logits
@@ -132,6 +138,7 @@ class Engine:
         self.overhead_tokens = overhead_tokens
         self.slots = SlotAllocator()
         self._inbox: deque[Job] = deque()
+        self._commands: deque[Callable[[], None]] = deque()  # forks and resolves, run before the jobs entered with them
         self._active: list[Job] = []
         self._wake = threading.Condition()
         self._stopped = False
@@ -168,6 +175,51 @@ class Engine:
             self.slots.release(slot)
             self._wake.notify()
 
+    def fork(self, slot: int, count: int) -> list[int]:
+        """`count` branches of the session at `slot`, as it stands between its steps: each shares its
+        cached keys and values (model_host/kv_blocks.py, `fork`) and steps like a session, in the same
+        forwards, from slots returned now. A branch is reclaimable: when blocks run short it is dropped
+        before a live session waits, and its next step fails with RESOURCE_EXHAUSTED. End each with
+        `release`, or keep one with `resolve`."""
+        if not self.forward.batched:
+            raise invalid_argument(f"the {self.forward.name} forward serves chains only: it cannot fork a session")
+        branches = [self.slots.lease() for _ in range(count)]
+        self._command(lambda: self._fork(slot, branches))
+        return branches
+
+    def resolve(self, slot: int, branch: int, others: list[int]) -> Future[bool]:
+        """Make `branch` the session at `slot` and end `others`, in one step on the engine's thread:
+        the session's old blocks and the others' go back. True, or False when the branch was dropped
+        meanwhile (the session then keeps what it held)."""
+        done: Future[bool] = Future()
+
+        def run() -> None:
+            try:
+                done.set_result(self.forward.resolve(slot, branch))
+            except Exception as exc:
+                done.set_exception(exc)
+                raise
+            finally:
+                for other in [branch, *others]:
+                    self.forward.release(other)
+                    self.slots.release(other)  # leasable again after this iteration
+
+        self._command(run)
+        return done
+
+    def _command(self, command: Callable[[], None]) -> None:
+        with self._wake:
+            self._commands.append(command)
+            self._wake.notify()
+
+    def _fork(self, slot: int, branches: list[int]) -> None:
+        for branch in branches:
+            try:
+                self.forward.fork(slot, branch)
+            except (OutOfBlocks, ValueError) as exc:
+                log.info("fork_refused", slot=slot, branch=branch, reason=str(exc))
+                self.forward.drop(branch)  # its steps fail as a dropped branch's
+
     def submit(self, job: Job) -> Future[Job]:
         with self._wake:
             if self._stopped:
@@ -194,7 +246,7 @@ class Engine:
                     self._trim_when_idle = False
                     release_freed_memory()  # a long prefill's scores and masks, kept by the allocator
             with self._wake:
-                while not self._inbox and not self._active and not self._stopped and not self.slots.released():
+                while not self._ready() and not self._stopped:
                     self._wake.wait()
                 if self._stopped:
                     break
@@ -202,9 +254,16 @@ class Engine:
                     self._hold()
                 entered = list(self._inbox)
                 self._inbox.clear()
+                commands = list(self._commands)
+                self._commands.clear()
             for slot in self.slots.recycle():
                 self.forward.release(slot)
                 self._last_step.pop(slot, None)
+            for command in commands:
+                try:
+                    command()
+                except Exception:
+                    log.exception("engine_command_failed")
             if not entered and not self._active:  # woken by a session's end: perhaps the last one
                 continue
             for job in entered:
@@ -214,6 +273,10 @@ class Engine:
         for job in [*self._active, *self._inbox]:
             _fail(job, resource_exhausted("the service stopped; retry on another replica"))
         self.after_group()
+
+    def _ready(self) -> bool:
+        """Whether the loop has anything to do (the condition's lock held)."""
+        return bool(self._inbox or self._active or self._commands) or self.slots.released()
 
     def _hold(self) -> None:
         """Wait briefly (the condition's lock held) for sessions that are expected back.
@@ -228,8 +291,7 @@ class Engine:
         Sessions whose step was a speculative verify are not waited for (`Job.comes_straight_back`):
         their next step follows a draft step, and the hold would only keep the whole batch in one
         phase, the draft and the target taking turns, where sessions out of phase let both compute at
-        once (measured: 8 streams, fixed K = 2 with overlapped drafting, 1.17x faster without the
-        target's hold; the target alone 0.77x without it)."""
+        once (docs/design.md, "The engine")."""
         if not self.limits.batch_hold_fraction or not self._forward_seconds:
             return
         started = time.perf_counter()
@@ -249,23 +311,40 @@ class Engine:
         """A new step: its slot rolls back to where the step starts (the blocks past it are freed), and
         a session's first step starts from the longest cached prefix of its tokens."""
         self._active.append(job)
+        forward = self.forward
         try:
-            self.forward.truncate(job.slot, job.start)
+            if forward.dropped(job.slot) and job.start:
+                raise resource_exhausted(
+                    "this branch was dropped to admit a live session's step (branches are reclaimable); fork again"
+                )
+            forward.truncate(job.slot, job.start)
             if job.start == 0:
-                job.reused = self.forward.reuse(job.slot, job.pending, job.most_reused(), job.cache_salt)
+                job.reused = forward.reuse(job.slot, job.pending, job.most_reused(), job.cache_salt)
                 job.start, job.pending = job.reused, job.pending[job.reused :]
-        except Exception as exc:
-            log.exception("step_entry_failed", slot=job.slot)
+            if not forward.reserve(job.slot, max(job.max_length, job.start + len(job.pending))):
+                raise resource_exhausted(
+                    f"the {self.role}'s key-value blocks are all held or reserved by other sessions; retry later, "
+                    "add replicas, or raise --max-cached-tokens"
+                )
+        except OutOfBlocks as exc:
             self._active.remove(job)
-            _fail(job, ServiceError(grpc.StatusCode.INTERNAL, f"{HANDLER_INTERNAL_PREFIX}{type(exc).__name__}: {exc}"))
+            self._end(job, resource_exhausted(f"{exc}; retry later, add replicas, or raise --max-cached-tokens"))
+        except Exception as exc:  # noqa: BLE001 - this step's own failure
+            self._active.remove(job)
+            self._end(job, exc if isinstance(exc, ServiceError) else _internal(exc, job))
 
     def _iteration(self) -> None:
         now = time.perf_counter()
-        waiting = [job for job in self._active if not job.future.cancelled()]
+        waiting = []
+        for job in self._active:
+            if job.future.cancelled():
+                self.forward.settle(job.slot)
+            else:
+                waiting.append(job)
         self._active = []
         for job in waiting:
             if job.queue_seconds < 0 and now - job.submitted > self.limits.max_queue_wait_s:
-                _fail(job, _busy(self.limits.max_queue_wait_s))
+                self._end(job, _busy(self.limits.max_queue_wait_s))
             else:
                 self._active.append(job)
         chosen = sorted(self._schedule(), key=lambda pair: len(pair[1].token_ids))
@@ -282,11 +361,13 @@ class Engine:
         chosen: list[tuple[Job, Row]] = []
         tokens = 0
         for job in self._active:
-            feed = job.pending[: _chunk(len(job.pending), job.num_logits, limits.prefill_chunk_tokens)]
+            feed = job.pending
+            if not job.parents:  # a tree is fed whole
+                feed = job.pending[: chunk_tokens(len(job.pending), job.num_logits, limits.prefill_chunk_tokens)]
             if chosen and (len(chosen) >= limits.max_batch_size or tokens + len(feed) > limits.max_batch_tokens):
                 continue
             last = len(feed) == len(job.pending)
-            chosen.append((job, Row(job.slot, job.start, feed, job.num_logits if last else 0)))
+            chosen.append((job, Row(job.slot, job.start, feed, job.num_logits if last else 0, job.parents)))
             tokens += len(feed)
         return chosen
 
@@ -302,7 +383,7 @@ class Engine:
             error = ServiceError(grpc.StatusCode.INTERNAL, message)
             for job, _ in group:
                 self._active.remove(job)
-                _fail(job, error)
+                self._end(job, error)
             return
         seconds = time.perf_counter() - started
         self._forward_seconds = 0.9 * self._forward_seconds + 0.1 * seconds if self._forward_seconds else seconds
@@ -318,7 +399,8 @@ class Engine:
             job.forward_seconds += seconds
             if len(rows) >= job.batch_size:
                 job.batch_size, job.batch_tokens = len(rows), batch_tokens
-            job.start += len(row.token_ids)
+            if not row.parents:  # a tree's tokens are dropped after the forward: its session holds what it held
+                job.start += len(row.token_ids)
             job.pending = job.pending[len(row.token_ids) :]
             if job.pending:
                 continue  # the next chunk of a long feed
@@ -326,52 +408,30 @@ class Engine:
                 more = job.advance(row_logits) if row_logits is not None else None
             except Exception as exc:  # noqa: BLE001 - this job's own failure
                 self._active.remove(job)
-                _fail(job, exc)
+                self._end(job, exc)
                 continue
             if more:
-                job.pending = more
+                job.pending, job.parents = more, ()
             else:
                 self._active.remove(job)
                 if job.comes_straight_back:
                     self._last_step[job.slot] = time.perf_counter()
                 else:
                     self._last_step.pop(job.slot, None)
-                _finish(job)
+                self._end(job)
+
+    def _end(self, job: Job, error: BaseException | None = None) -> None:
+        """The job is over (failed when `error`): its reservation's rest goes back."""
+        self.forward.settle(job.slot)
+        if error is None:
+            _finish(job)
+        else:
+            _fail(job, error)
 
 
-def group_ends(widths: list[int], overhead_tokens: float) -> list[int]:
-    """How to split rows sorted by width (ascending) into forwards: the end index of each group.
-
-    A forward pads every row to its widest, so one catch-up or short prefill of 30 tokens among 15
-    decoding rows would make the forward 16 x 30 tokens instead of 15 + 30. Each forward costs about
-    `overhead_tokens + rows x width` tokens' worth; the split minimises the sum over forwards. Groups
-    are contiguous runs of the sorted widths, and split only between distinct widths, so the search
-    is over the few distinct widths of a batch, not its rows."""
-    if not widths:
-        return []
-    ends = [i + 1 for i in range(len(widths)) if i + 1 == len(widths) or widths[i + 1] != widths[i]]
-    # best[j]: the least cost of the rows before ends[j - 1] (best[0]: no rows); cut[j]: its last split.
-    best, cut = [0.0], [0]
-    for j, end in enumerate(ends, start=1):
-        options = [
-            (best[i] + overhead_tokens + (end - (ends[i - 1] if i else 0)) * widths[end - 1], i) for i in range(j)
-        ]
-        cost, split = min(options)
-        best.append(cost)
-        cut.append(split)
-    result, j = [], len(ends)
-    while j:
-        result.append(ends[j - 1])
-        j = cut[j]
-    return result[::-1]
-
-
-def _chunk(pending: int, num_logits: int, chunk: int) -> int:
-    """Tokens to feed now: all of them when they fit in a chunk; otherwise a chunk, leaving at least
-    `num_logits` tokens for the last one (the logits come from the last chunk's rows)."""
-    if pending <= chunk:
-        return pending
-    return max(1, min(chunk, pending - num_logits)) if pending > num_logits else pending
+def _internal(exc: Exception, job: Job) -> ServiceError:
+    log.exception("step_entry_failed", slot=job.slot)
+    return ServiceError(grpc.StatusCode.INTERNAL, f"{HANDLER_INTERNAL_PREFIX}{type(exc).__name__}: {exc}")
 
 
 def _busy(waited_s: float) -> ServiceError:

@@ -25,7 +25,9 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from model_host.attention import AttentionLayout
 from model_host.batch_view import BatchView, split_logits
-from model_host.kv_blocks import BlockStore, Row
+from model_host.kv_blocks import BlockStore
+from model_host.rows import Row
+from serving.errors import invalid_argument
 
 log = structlog.get_logger(__name__)
 
@@ -73,6 +75,34 @@ class Forward:
         tokens); returns how many it starts from (0 without prefix caching)."""
         return 0
 
+    def length(self, slot: int) -> int:
+        """Tokens the slot holds: the one record of a session's cached length."""
+        raise NotImplementedError
+
+    def reserve(self, slot: int, length: int) -> bool:
+        """Reserve what the slot needs to grow to `length` tokens in the step it starts; False when the
+        budget cannot hold it (model_host/kv_blocks.py, "Admission")."""
+        return True
+
+    def settle(self, slot: int) -> None:
+        """The slot's step ended: its reservation's rest goes back."""
+
+    def fork(self, slot: int, branch: int) -> None:
+        """Start the empty slot `branch` as a branch of `slot`, sharing its cached keys and values."""
+        raise invalid_argument(f"the {self.name} forward serves chains only: it cannot fork a session")
+
+    def resolve(self, slot: int, branch: int) -> bool:
+        """Make `branch` what `slot` holds; False when the branch was dropped (`slot` keeps what it held)."""
+        raise invalid_argument(f"the {self.name} forward serves chains only: it has no branches to resolve")
+
+    def drop(self, slot: int) -> None:
+        """Free the branch at `slot` and remember it was dropped (`dropped`)."""
+        self.release(slot)
+
+    def dropped(self, slot: int) -> bool:
+        """Whether the slot was a branch, dropped to admit a live session's step."""
+        return False
+
     def synchronize(self) -> None:
         """Wait until the device has run what the last call queued, so that a clock read after it
         times the forward: CUDA runs kernels asynchronously, and without this a forward's time is
@@ -96,6 +126,27 @@ class PagedForward(Forward):
 
     def reuse(self, slot: int, tokens: list[int], most: int, salt: bytes) -> int:
         return self.store.reuse(slot, tokens, most, salt)
+
+    def length(self, slot: int) -> int:
+        return self.store.length(slot)
+
+    def reserve(self, slot: int, length: int) -> bool:
+        return self.store.reserve(slot, length)
+
+    def settle(self, slot: int) -> None:
+        self.store.settle(slot)
+
+    def fork(self, slot: int, branch: int) -> None:
+        self.store.fork(slot, branch)
+
+    def resolve(self, slot: int, branch: int) -> bool:
+        return self.store.resolve(slot, branch)
+
+    def drop(self, slot: int) -> None:
+        self.store.drop(slot)
+
+    def dropped(self, slot: int) -> bool:
+        return slot in self.store.reclaimed
 
     def idle(self) -> None:
         self.store.drop_windows()
@@ -143,13 +194,17 @@ class BatchedForward(PagedForward):
 
 
 class SerialForward(Forward):
+    """One Hugging Face cache per slot. The block store keeps its books: what each slot holds and the
+    blocks it would take, for admission against the one budget (no keys or values live there)."""
+
     name = "serial"
     batched = False
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, store: BlockStore) -> None:
         self.model = model
         self.device = model.get_input_embeddings().weight.device
         self.caches: dict[int, DynamicCache] = {}
+        self.store = store
 
     def _new_cache(self) -> DynamicCache:
         """The model's own cache layout, except that sliding-window layers keep every token: Hugging
@@ -162,6 +217,9 @@ class SerialForward(Forward):
         return cache
 
     def __call__(self, rows: list[Row]) -> RowLogits:
+        if any(row.parents for row in rows):
+            raise ValueError("the serial forward serves chains only: a tree row needs the batched forward")
+        self.store.prepare(rows)  # its books only
         out: RowLogits = []
         for row in rows:
             cache = self.caches.get(row.slot)
@@ -179,6 +237,19 @@ class SerialForward(Forward):
 
     def release(self, slot: int) -> None:
         self.caches.pop(slot, None)
+        self.store.release(slot)
+
+    def truncate(self, slot: int, length: int) -> None:
+        self.store.truncate(slot, length)  # the cache itself is cropped when the slot's next row runs
+
+    def length(self, slot: int) -> int:
+        return self.store.length(slot)
+
+    def reserve(self, slot: int, length: int) -> bool:
+        return self.store.reserve(slot, length)
+
+    def settle(self, slot: int) -> None:
+        self.store.settle(slot)
 
 
 def check_schedule(layout: AttentionLayout, context: int, vocab: int, chunk: int) -> list[list[Row]]:
@@ -310,7 +381,8 @@ def choose_forward(model: PreTrainedModel, store: BlockStore, prefill_chunk: int
             reason = f"its logits differ from the model's own forward by {error:.2g} of the largest logit"
         except CHECK_ERRORS as exc:
             reason = f"the model's forward refused it ({type(exc).__name__}: {exc})"
-    serial = SerialForward(model)
+    store.reset()  # what the batched check held: the fallback keeps only the store's books
+    serial = SerialForward(model, store)
     try:
         error = disagreement(serial, model, layout, context, prefill_chunk)
     except CHECK_ERRORS as exc:

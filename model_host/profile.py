@@ -18,7 +18,7 @@ import time
 import torch
 
 from model_host.forward import Forward
-from model_host.kv_blocks import Row
+from model_host.rows import Row
 from model_host.simulated import SimulatedForward, modeled_curve
 
 PROFILE_PREFIX_TOKENS = 32

@@ -15,114 +15,30 @@ import concurrent.futures
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any, Generic, TypeVar
 
 import grpc
 import structlog
 
-from model_host.attention import AttentionLayout
 from model_host.config import ModelServiceConfig
-from model_host.engine import DEFAULT_OVERHEAD_TOKENS, Engine, EngineLimits, Job
-from model_host.forward import Forward, check_lengths, choose_forward
-from model_host.kv_blocks import BlockStore, blocks_for, kv_budget_tokens
+from model_host.engine import Job
+from model_host.forward import Forward, choose_forward
+from model_host.link import Link, Pending, SlotLease, StepRequest, answers
 from model_host.loading import LoadedModel
-from model_host.metrics import CACHED_TOKENS, FED_TOKENS, FORWARD_SECONDS, OPEN_SESSIONS, SIMULATED_DEVICE, STEPS
-from model_host.profile import PROFILE_PREFIX_TOKENS, forward_costs, modeled_costs, overhead_tokens
+from model_host.metrics import CACHED_TOKENS, FED_TOKENS, FORWARD_SECONDS, OPEN_SESSIONS, STEPS
 from model_host.sessions import Session, SessionStore
-from model_host.simulated import SimulatedForward, profile_named, simulate
+from model_host.simulated import SimulatedForward
+from model_host.startup import open_block_store, start_engine
+from model_host.step_constraints import first_step_constraint, spec_to_compile
 from serving.constraints import KINDS, ConstraintSpec, Grammars, SessionConstraint
 from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError, invalid_argument, resource_exhausted
-from serving.server import MESSAGE_BUDGET_BYTES
 from specdec.v1 import common_pb2
 
 log = structlog.get_logger(__name__)
 
-
-class StepRequest(Protocol):
-    """The fields every session step carries."""
-
-    @property
-    def request_id(self) -> str: ...
-    @property
-    def keep(self) -> int: ...
-    @property
-    def append_token_ids(self) -> Sequence[int]: ...
-    @property
-    def structured_output(self) -> common_pb2.StructuredOutput: ...
-    @property
-    def constraint_start(self) -> int: ...
-    def HasField(self, name: str) -> bool: ...
-
-
 RequestT = TypeVar("RequestT", bound=StepRequest)
 ResponseT = TypeVar("ResponseT")
-
-
-@dataclass(eq=False)
-class SlotLease:
-    """A session's engine slot; released once when its cache is dropped."""
-
-    slot: int
-    engine: Engine
-    released: bool = False
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self.engine.release(self.slot)
-
-
-@dataclass(eq=False)
-class _Pending:
-    """One session's step in the engine: what its answer needs."""
-
-    session: Session
-    request: Any
-    job: Job
-    started: float
-
-
-class _Link:
-    """One open link stream: its sessions by the client's ids, and the steps the engine has finished.
-
-    Everything but `_finished` belongs to the server's event loop. The engine's thread appends to
-    `_finished` and wakes the loop once for every batch of steps it ends (`on_done`), so that one
-    answer carries a forward's results."""
-
-    def __init__(self, peer: str) -> None:
-        self.peer = peer
-        self.loop = asyncio.get_running_loop()
-        self.loop_thread = threading.get_ident()
-        self.sessions: dict[int, Session] = {}
-        self.running: dict[int, _Pending] = {}  # session id -> its step in the engine
-        self.compiling: dict[int, asyncio.Task[None]] = {}  # session id -> its first step, compiling its constraint
-        self.results: list[Any] = []  # answers ready to send
-        self.wake = asyncio.Event()
-        self.ended = False  # the client closed its side
-        self.last_active = time.monotonic()
-        self.idle_closed = False
-        self._finished: list[tuple[int, _Pending]] = []
-        self._finished_lock = threading.Lock()
-
-    def on_done(self, session_id: int, pending: _Pending) -> bool:
-        """Called from the engine's thread (or at once) when a step's job ends; whether the link needs
-        waking (it had nothing finished waiting)."""
-        with self._finished_lock:
-            first = not self._finished
-            self._finished.append((session_id, pending))
-        return first
-
-    def take_finished(self) -> list[tuple[int, _Pending]]:
-        with self._finished_lock:
-            finished, self._finished = self._finished, []
-        return finished
-
-    def close_idle(self) -> None:
-        """Called from another thread: end the stream (its handler answers CANCELLED)."""
-        self.idle_closed = True
-        self.loop.call_soon_threadsafe(self.wake.set)
 
 
 class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
@@ -136,61 +52,20 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
     def __init__(self, loaded: LoadedModel, config: ModelServiceConfig) -> None:
         self.loaded = loaded
         self.config = config
-        self.max_cached_tokens = kv_budget_tokens(config.max_cached_tokens, loaded)
-        self.block_store = BlockStore(
-            loaded.input_device,
-            loaded.dtype,
-            loaded.max_context,
-            max(self.max_cached_tokens, self._startup_tokens()),
-            config.kv_block_tokens,
-            config.prefix_caching,
-            self.role,
-            config.max_batch_size,
+        self.block_store, pool = open_block_store(loaded, config, self.role)
+        self.max_cached_tokens = pool.tokens
+        self.engine, self.forward_costs = start_engine(
+            self.make_forward(), self.block_store, pool, loaded, config, self.role
         )
-        log.info(
-            "kv_blocks",
-            role=self.role,
-            blocks=self.block_store.num_blocks - 2,
-            block_tokens=config.kv_block_tokens,
-            max_cached_tokens=self.max_cached_tokens,
-            prefix_caching=config.prefix_caching,
-        )
-        forward = self.make_forward()
-        if config.simulated_device:
-            profile = profile_named(config.simulated_device)
-            forward = simulate(forward, profile, loaded.model, loaded.vocab_size, self.role)
-            SIMULATED_DEVICE.labels(self.role, profile.name).set(1)
-        log.info("engine_forward", forward=forward.name, role=self.role)
-        limits = EngineLimits(
-            max_batch_size=config.max_batch_size,
-            max_batch_tokens=config.max_batch_tokens,
-            prefill_chunk_tokens=config.prefill_chunk_tokens,
-            max_queue_wait_s=config.max_queue_wait_s,
-            batch_hold_fraction=config.batch_hold_fraction,
-        )
-        widths = (1,) if self.role == "draft" else (1, 3, 5)  # a draft step feeds one token per forward
-        if isinstance(forward, SimulatedForward):  # the modeled clock's own curve, to the largest verify
-            self.forward_costs = modeled_costs(forward, config.max_batch_size, config.max_speculative_tokens)
-        else:
-            self.forward_costs = forward_costs(forward, loaded.vocab_size, config.max_batch_size, widths)
-        overhead = overhead_tokens(self.forward_costs, DEFAULT_OVERHEAD_TOKENS)
-        log.info("engine_forward_overhead", tokens=round(overhead, 1), role=self.role)
-        self.engine = Engine(forward, limits, self.role, overhead)
-        self.store = SessionStore(
-            self.new_cache,
-            config.max_sessions,
-            self.max_cached_tokens,
-            config.session_idle_timeout_s,
-            block_tokens=config.kv_block_tokens,
-        )
-        self._links: set[_Link] = set()
+        self.store = SessionStore(self.new_cache, config.max_sessions, config.session_idle_timeout_s)
+        self._links: set[Link] = set()
         self._links_lock = threading.Lock()
         # Structured outputs: the tokenizer's view for llguidance, built once; constraints compile on a
         # thread of their own, neither the event loop's nor the engine's.
         self.grammars = Grammars.for_tokenizer(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids, self.role)
         self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-compile")
         self.draining = False  # new sessions are refused (UNAVAILABLE); links end once their sessions have
-        self._to_wake: set[_Link] = set()
+        self._to_wake: set[Link] = set()
         self.engine.after_group = self._wake_answered
         # Labelled once: a label lookup costs more than the update, at every session step.
         self._fed_tokens = FED_TOKENS.labels(self.role)
@@ -198,15 +73,6 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         self._steps_ok = STEPS.labels(self.role, "ok")
         self._open_sessions = OPEN_SESSIONS.labels(self.role)
         self._cached_tokens = CACHED_TOKENS.labels(self.role)
-
-    def _startup_tokens(self) -> int:
-        """What the start-up check and the forward-cost profile cache at once, in whole blocks: the
-        store holds at least that, whatever the budget (admission still keeps to the budget)."""
-        span = self.config.kv_block_tokens
-        layout = AttentionLayout.of(self.loaded.model.config)
-        check = check_lengths(layout, self.loaded.max_context, self.config.prefill_chunk_tokens)
-        profile = [PROFILE_PREFIX_TOKENS + 5] * self.config.max_batch_size
-        return max(sum(blocks_for(n, span) for n in lengths) for lengths in (check, profile)) * span
 
     # --- what subclasses provide -------------------------------------------------------------
 
@@ -319,7 +185,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         """One link: the steps of many sessions in, their results out, each answer holding every result
         ready. Every session the link opened is closed when it ends, however it ends (a client that goes
         away cancels this handler's task)."""
-        link = _Link(self.peer_of(context))
+        link = Link(self.peer_of(context))
         with self._links_lock:
             held = sum(1 for other in self._links if other.peer == link.peer)
             if held >= self.config.max_streams_per_peer:
@@ -342,7 +208,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
                 self._answer_finished(link)
                 # Taken before writing: steps read while a message is written add results of their own.
                 results, link.results = link.results, []
-                for message in self._messages(results):
+                for message in answers(results, self.results_type):
                     yield message
                 if reader.done() and not link.running and not link.compiling:
                     reader.result()  # a broken stream raises here
@@ -359,7 +225,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             for session_id in list(link.sessions):
                 self._close_session(link, session_id)
 
-    async def _read_link(self, link: _Link, batches: AsyncIterator[Any]) -> None:
+    async def _read_link(self, link: Link, batches: AsyncIterator[Any]) -> None:
         try:
             async for batch in batches:
                 link.last_active = time.monotonic()
@@ -374,22 +240,19 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             link.ended = True
             link.wake.set()
 
-    def _spec_to_compile(self, link: _Link, entry: Any) -> ConstraintSpec | None:
-        """The constraint of a session's first step (keep = 0) that is not compiled yet; None for every
-        other entry, and for a malformed one (`_entry` answers it)."""
-        if entry.close or not entry.HasField("step") or entry.step.keep:
+    def _spec_to_compile(self, link: Link, entry: Any) -> ConstraintSpec | None:
+        """The constraint of a session's first step that is not compiled yet; None for every other
+        entry, and for a malformed one (`_entry` answers it)."""
+        if (
+            entry.close
+            or not entry.HasField("step")
+            or entry.session in link.running
+            or entry.session in link.compiling
+        ):
             return None
-        if not entry.step.HasField("structured_output"):
-            return None
-        if self.grammars is None or entry.session in link.running or entry.session in link.compiling:
-            return None
-        try:
-            spec = ConstraintSpec.from_proto(entry.step.structured_output)
-        except ServiceError:
-            return None
-        return spec if spec is not None and self.grammars.cached(spec) is None else None
+        return spec_to_compile(self.grammars, entry.step)
 
-    async def _compile_then_enter(self, link: _Link, entry: Any, spec: ConstraintSpec) -> None:
+    async def _compile_then_enter(self, link: Link, entry: Any, spec: ConstraintSpec) -> None:
         assert self.grammars is not None
         try:
             await asyncio.get_running_loop().run_in_executor(self._compiler, self.grammars.compile, spec)
@@ -403,29 +266,11 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
 
     def _constraint(self, session: Session, request: RequestT) -> SessionConstraint | None:
         """The session's constraint: set anew by its first step (keep = 0), kept by the others."""
-        if request.keep:
-            return session.constraint
-        session.constraint = None
-        if not request.HasField("structured_output"):
-            return None
-        spec = ConstraintSpec.from_proto(request.structured_output)
-        if spec is None:
-            return None
-        if self.grammars is None:
-            raise invalid_argument(
-                "structured_output: this replica applies no constraints (its checkpoint has no fast tokenizer); "
-                "see ModelInfo.structured_output_kinds"
-            )
-        if request.constraint_start > len(request.append_token_ids):
-            length = len(request.append_token_ids)
-            raise invalid_argument(
-                f"constraint_start {request.constraint_start} is past the sequence's {length} tokens"
-            )
-        template = self.grammars.cached(spec) or self.grammars.compile(spec)  # compiled by now (_compile_then_enter)
-        session.constraint = self.grammars.session(template, request.constraint_start)
+        if not request.keep:
+            session.constraint = first_step_constraint(self.grammars, request)
         return session.constraint
 
-    def _entry(self, link: _Link, entry: Any) -> None:
+    def _entry(self, link: Link, entry: Any) -> None:
         """Start one session's step (or close it); its answer, or its error, goes to `link.results`."""
         session_id = entry.session
         if entry.close:
@@ -457,11 +302,11 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
                 log.info("cache_miss", request_id=session.request_id, keep=request.keep, held=session.length)
                 link.results.append(self._result(session_id, response=self.cache_miss()))
                 return
-            self.store.reserve(session, self.tokens_fed_by(request))
             assert session.cache is not None
             job = self.make_job(session.cache.slot, request, self._constraint(session, request))
             job.cache_salt = request.cache_salt
-            pending = _Pending(session, request, job, time.perf_counter())
+            job.max_length = self.tokens_fed_by(request)  # the blocks it reserves (model_host/kv_blocks.py)
+            pending = Pending(session, request, job, time.perf_counter())
             future = self.engine.submit(pending.job)
         except Exception as exc:  # noqa: BLE001 - one session's failure, never the link's
             link.results.append(self._result(session_id, error=self._as_service_error(exc)))
@@ -470,7 +315,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         link.running[session_id] = pending
         future.add_done_callback(lambda _: self._on_done(link, session_id, pending))
 
-    def _on_done(self, link: _Link, session_id: int, pending: _Pending) -> None:
+    def _on_done(self, link: Link, session_id: int, pending: Pending) -> None:
         if not link.on_done(session_id, pending):
             return
         if threading.get_ident() == link.loop_thread:  # failed or cancelled on the event loop itself
@@ -486,7 +331,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         for link in links:
             link.loop.call_soon_threadsafe(link.wake.set)
 
-    def _answer_finished(self, link: _Link) -> None:
+    def _answer_finished(self, link: Link) -> None:
         finished = [
             (i, p, p.job.future.exception()) for i, p in link.take_finished() if link.running.get(i) is p
         ]  # not closed meanwhile
@@ -506,7 +351,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
                 link.results.append(self._result(session_id, error=self._as_service_error(error)))
                 self._close_session(link, session_id)
                 continue
-            self.store.record_length(session, job.start)
+            self.store.step_done(session)
             self._fed_tokens.inc(len(pending.request.append_token_ids))
             self._forward_seconds.observe(job.forward_seconds)
             self._steps_ok.inc()
@@ -536,21 +381,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             result.response.CopyFrom(response)
         return result
 
-    def _messages(self, results: list[Any]) -> Iterator[Any]:
-        """The answers carrying `results`: as few as fit under the message limit."""
-        batch: list[Any] = []
-        size = 0
-        for result in results:
-            result_size = result.ByteSize()
-            if batch and size + result_size > MESSAGE_BUDGET_BYTES:
-                yield self.results_type(results=batch)
-                batch, size = [], 0
-            batch.append(result)
-            size += result_size
-        if batch:
-            yield self.results_type(results=batch)
-
-    def _close_session(self, link: _Link, session_id: int) -> None:
+    def _close_session(self, link: Link, session_id: int) -> None:
         """End one session of a link: its step still in the engine is cancelled, its cache freed."""
         compiling = link.compiling.pop(session_id, None)
         if compiling is not None:
@@ -584,7 +415,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
                 closed += 1
         return closed
 
-    def _close_idle_sessions(self, link: _Link, deadline: float) -> None:
+    def _close_idle_sessions(self, link: Link, deadline: float) -> None:
         for session_id, session in list(link.sessions.items()):
             if session_id not in link.running and session.last_used < deadline:
                 self._close_session(link, session_id)
@@ -602,4 +433,4 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
 
     def _publish_gauges(self) -> None:
         self._open_sessions.set(self.store.open_sessions)
-        self._cached_tokens.set(self.store.cached_tokens)
+        self._cached_tokens.set(self.block_store.tokens_held)

@@ -3,7 +3,7 @@
 A session lives exactly as long as its gRPC stream. Its cache is soft state: expiry or eviction drops
 the cache but keeps the session, whose next step then answers CACHE_MISS so that the orchestrator
 reopens it with the full sequence. A session in the middle of a step (from a successful `rollback`
-to its `record_length`) keeps its cache: the step is using it, and dropping it then would have the
+to its `step_done`) keeps its cache: the step is using it, and dropping it then would have the
 step compute on an empty cache as if its tokens started the sequence.
 """
 
@@ -29,6 +29,9 @@ class KVCache(Protocol):
     @property
     def slot(self) -> int: ...
 
+    @property
+    def length(self) -> int: ...  # tokens the slot holds: the block store's record, the one there is
+
     def release(self) -> None: ...  # the slot may be reused
 
 
@@ -39,43 +42,37 @@ class Session:
     session_id: str
     request_id: str
     cache: KVCache | None = None  # None until the first step, and after expiry or eviction
-    length: int = 0  # tokens held in `cache`
     last_used: float = field(default=0.0)
-    stepping: bool = False  # between a successful rollback and record_length: the cache is in use
-    reserved: int = 0  # tokens reserved for the step under way (its length once it ends)
+    stepping: bool = False  # between a successful rollback and step_done: the cache is in use
     constraint: SessionConstraint | None = None  # structured output: set by the session's first step
 
     @property
     def held(self) -> bool:
         return self.cache is not None
 
+    @property
+    def length(self) -> int:
+        """Tokens its cache holds (read between its steps: a step under way changes it)."""
+        return self.cache.length if self.cache is not None else 0
+
 
 class SessionStore:
-    """Thread-safe registry of sessions; bounds sessions and cached tokens (RESOURCE_EXHAUSTED beyond)."""
+    """Thread-safe registry of sessions; bounds their number (RESOURCE_EXHAUSTED beyond). The blocks
+    their caches take are the block store's to admit (model_host/kv_blocks.py, on the engine's thread)."""
 
     def __init__(
         self,
         new_cache: Callable[[], KVCache],
         max_sessions: int,
-        max_cached_tokens: int,
         idle_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
-        block_tokens: int = 1,
     ) -> None:
         self._new_cache = new_cache
         self.max_sessions = max_sessions
-        self.max_cached_tokens = max_cached_tokens
-        # The budget is kept in key-value blocks, each session's rounded up: what sessions hold can
-        # then never exceed the blocks the store allocated (model_host/kv_blocks.py).
-        self.block_tokens = block_tokens
-        self._max_blocks = -(-max_cached_tokens // block_tokens)
         self.idle_timeout_s = idle_timeout_s
         self._clock = clock
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
-        # Kept as sessions change, so that a step's reservation costs the same at 1 session as at 64.
-        self._footprint = 0  # sum over sessions of the blocks of max(length, reserved): what the budget counts
-        self._cached = 0  # sum over sessions of length
         self._ids = itertools.count(1)
         self.opened = 0  # sessions opened since start
 
@@ -95,56 +92,23 @@ class SessionStore:
     def close(self, session: Session) -> None:
         """Free the session's cache at once; safe to call twice."""
         with self._lock:
-            if self._sessions.pop(session.session_id, None) is not None:
-                self._set(session, length=0, reserved=0)
+            self._sessions.pop(session.session_id, None)
             _drop(session)
-
-    def _set(self, session: Session, length: int | None = None, reserved: int | None = None) -> None:
-        """Change a held session's length or reservation, keeping the totals (the lock held)."""
-        self._footprint -= self._blocks(max(session.length, session.reserved))
-        self._cached -= session.length
-        if length is not None:
-            session.length = length
-        if reserved is not None:
-            session.reserved = reserved
-        self._footprint += self._blocks(max(session.length, session.reserved))
-        self._cached += session.length
-
-    def _blocks(self, tokens: int) -> int:
-        return -(-tokens // self.block_tokens)
 
     def rollback(self, session: Session, keep: int) -> bool:
         """Crop the cache to its first `keep` tokens. False (a cache miss) when it holds fewer."""
         with self._lock:
             session.last_used = self._clock()
             if keep == 0:
-                self._set(session, length=0)
                 _drop(session)
                 session.cache = self._new_cache()
             elif session.cache is None or keep > session.length:
                 return False
-            self._set(session, length=keep)
-            session.stepping = True
+            session.stepping = True  # the engine crops the slot to `keep` when the step enters
             return True
 
-    def reserve(self, session: Session, new_length: int) -> None:
-        """Reserve room for this session to grow to `new_length` tokens, or raise RESOURCE_EXHAUSTED.
-
-        Atomic: concurrent steps each see the others' reservations, so together they never exceed the
-        budget."""
+    def step_done(self, session: Session) -> None:
         with self._lock:
-            others = self._footprint - self._blocks(max(session.length, session.reserved))
-            if others + self._blocks(new_length) > self._max_blocks:
-                raise resource_exhausted(
-                    f"caching {new_length} tokens for this session would exceed the service's budget of "
-                    f"{self.max_cached_tokens} tokens ({others * self.block_tokens} held by other sessions, "
-                    f"in blocks of {self.block_tokens}); retry later, add replicas, or raise --max-cached-tokens"
-                )
-            self._set(session, reserved=new_length)
-
-    def record_length(self, session: Session, length: int) -> None:
-        with self._lock:
-            self._set(session, length=length, reserved=0)
             session.last_used = self._clock()
             session.stepping = False
 
@@ -152,7 +116,6 @@ class SessionStore:
         """The step under way failed: its reservation ends and its cache cannot be trusted."""
         with self._lock:
             session.stepping = False
-            self._set(session, length=0, reserved=0)
             _drop(session)
 
     def evict_all(self) -> int:
@@ -171,7 +134,6 @@ class SessionStore:
     def _drop_caches(self, chosen: Callable[[Session], bool]) -> int:
         dropped = [s for s in self._sessions.values() if s.held and not s.stepping and chosen(s)]
         for session in dropped:
-            self._set(session, length=0)
             _drop(session)
         return len(dropped)
 
@@ -180,15 +142,9 @@ class SessionStore:
         with self._lock:
             return len(self._sessions)
 
-    @property
-    def cached_tokens(self) -> int:
-        with self._lock:
-            return self._cached
-
 
 def _drop(session: Session) -> None:
     """Give the session's slot back; its next step is a cache miss unless it starts over (keep = 0)."""
     if session.cache is not None:
         session.cache.release()
     session.cache = None
-    session.length = 0

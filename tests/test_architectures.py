@@ -45,9 +45,10 @@ from model_host.forward import (
     disagreement,
     tolerance,
 )
-from model_host.kv_blocks import BlockStore, Row
+from model_host.kv_blocks import BlockStore
 from model_host.loading import LoadedModel
 from model_host.profile import forward_costs
+from model_host.rows import Row
 from model_host.runtime import ModelServer, start_model_server
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from target_service.servicer import SERVICE_NAME as TARGET_SERVICE
@@ -130,7 +131,7 @@ def test_every_forward_computes_the_models_own_logits_past_its_windows(family):
     assert chosen.name == expected, (chosen.name, expected)
     forwards: list[tuple[str, Forward, torch.nn.Module]] = [
         (chosen.name, chosen, target),
-        ("serial", SerialForward(target), target),
+        ("serial", SerialForward(target, _store()), target),
     ]
     lean = LeanDraft.attach(draft, _store())
     if lean is not None:
@@ -178,7 +179,7 @@ def test_the_fallback_rolls_back_across_the_window_and_profiles():
     what a rollback needs, so the start-up cost profile (a 32-token prefix, rolled back after every
     timed forward) runs on a window of 8."""
     target, _ = build(FAMILIES["mistral-window"])
-    serial = SerialForward(target)
+    serial = SerialForward(target, _store())
     costs = forward_costs(serial, VOCAB, 4, (1, 3, 5))
     assert costs and all(seconds > 0 for _, seconds in costs)
 
@@ -223,12 +224,12 @@ def test_a_model_whose_cache_cannot_roll_back_is_refused_naming_the_layer_type(t
 
 class SerialTarget(TargetServicer):
     def make_forward(self) -> Forward:
-        return SerialForward(self.loaded.model)
+        return SerialForward(self.loaded.model, self.block_store)
 
 
 class SerialDraft(DraftServicer):
     def make_forward(self) -> Forward:
-        return SerialForward(self.loaded.model)
+        return SerialForward(self.loaded.model, self.block_store)
 
 
 @dataclass

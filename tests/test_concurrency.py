@@ -127,7 +127,7 @@ def test_concurrent_mixed_requests_match_the_target_alone(target_model, close_dr
         assert _batched_forwards("target") > batched_before[0]
         assert _batched_forwards("draft") > batched_before[1]
         assert wait_until(lambda: target.servicer.store.open_sessions == 0 == draft.servicer.store.open_sessions)
-        assert target.servicer.store.cached_tokens == 0
+        assert target.servicer.block_store.tokens_held == 0
     finally:
         orchestrator.stop()
         target.stop()

@@ -9,10 +9,11 @@ import grpc
 import pytest
 import torch
 
-from model_host.engine import Engine, EngineLimits, Job, _chunk, group_ends
+from model_host.batching import chunk_tokens, group_ends
+from model_host.engine import Engine, EngineLimits, Job
 from model_host.forward import Forward, RowLogits
-from model_host.kv_blocks import Row
 from model_host.profile import forward_costs, overhead_tokens
+from model_host.rows import Row
 from serving.errors import ServiceError
 from tests.conftest import wait_until
 
@@ -59,8 +60,8 @@ def _engine(forward: FakeForward, overhead_tokens: float = 32.0, **limits) -> En
     return engine
 
 
-def test_a_long_feed_is_chunked_and_its_logits_come_from_the_last_chunk():
-    assert _chunk(20, 3, 8) == 8 and _chunk(5, 3, 8) == 5 and _chunk(10, 9, 8) == 1
+def test_a_long_feed_is_chunked_and_its_logits_come_from_the_lastchunk_tokens():
+    assert chunk_tokens(20, 3, 8) == 8 and chunk_tokens(5, 3, 8) == 5 and chunk_tokens(10, 9, 8) == 1
     forward = FakeForward()
     engine = _engine(forward, prefill_chunk_tokens=8, max_batch_tokens=64)
     try:

@@ -11,7 +11,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from model_host.forward import BatchedForward, SerialForward, choose_forward
-from model_host.kv_blocks import BlockStore, Row
+from model_host.kv_blocks import BlockStore
+from model_host.rows import Row
 from tests.tiny_models import tiny_llama
 
 
@@ -86,20 +87,22 @@ def _logits(model, tokens: list[int], count: int) -> torch.Tensor:
 
 
 def _check_blocks(store: BlockStore) -> None:
-    """The store's books balance: every block is scratch, untouched, free or held, and each held block's
-    count is its holders'; indexed blocks are where the index says."""
+    """The store's books balance: every block is scratch, free or held, and each held block's count is
+    its holders'; indexed blocks are where the index says; reservations and held tokens add up."""
     holders = [0] * store.num_blocks
     for slot in store._slots.values():
         for block in slot.table:
             holders[block] += 1
         assert len(slot.table) == -(-len(slot.tokens) // store.block_tokens)
     assert holders == store._refs
-    free, untouched = set(store._free), set(store._untouched)
+    free = set(store._free)
     held = {b for b, n in enumerate(holders) if n}
-    assert not (free & untouched) and not (free & held) and not (untouched & held) and 0 not in free | held
-    assert len(free) + len(untouched) + len(held) == store.num_blocks - 1
+    assert not (free & held) and 0 not in free | held
+    assert len(free) + len(held) == store.num_blocks - 1 == len(free) + store.used_blocks
     assert all(store._hash[block] == digest for digest, block in store._index.items())
     assert store.cached_blocks == sum(1 for block in free if store._hash[block] is not None)
+    assert store.reserved_blocks == sum(slot.reserved for slot in store._slots.values())
+    assert store.tokens_held == sum(len(slot.tokens) for slot in store._slots.values())
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -142,7 +145,7 @@ def test_sessions_sharing_prefixes_under_rollbacks_and_eviction_keep_their_own_l
             _check_blocks(store)
             assert store.used_blocks + store.cached_blocks <= store.num_blocks - 1
     assert (reused > 0) == prefix_caching
-    assert store._untouched == [] or not prefix_caching  # the pool filled, and cached blocks were evicted
+    assert store.cached_blocks or not prefix_caching  # blocks were cached (and, the pool small, evicted)
 
 
 def test_salts_never_share_a_block():
@@ -193,25 +196,36 @@ def test_an_unservable_architecture_falls_back_to_one_session_per_forward():
     assert torch.allclose(again[0], model(torch.tensor([[5, 6, 7, 4]])).logits[0, -2:], atol=1e-5)
 
 
-def test_the_auto_budget_is_what_free_memory_holds_at_the_models_bytes_per_token(monkeypatch):
+def test_the_pool_is_sized_from_the_model_and_refused_at_start_when_memory_cannot_hold_it(monkeypatch):
+    """`sessions` (the default): max_sessions full contexts; `auto`: what the memory holds beside the
+    gather windows; a number as given. A pool the memory cannot hold is refused naming the flag."""
     from types import SimpleNamespace
     from typing import cast
 
-    from model_host import kv_blocks
+    from model_host import kv_memory
     from model_host.config import parse_model_service_config
     from model_host.loading import LoadedModel
 
     model = tiny_llama(96, seed=1, hidden=48, layers=3)  # 4 heads of 12, 2 key-value heads
-    assert kv_blocks.kv_bytes_per_token(model, torch.device("cpu")) == 3 * 2 * 2 * 12 * 4
+    assert kv_memory.kv_bytes_per_token(model, torch.device("cpu")) == 576 == 3 * 2 * 2 * 12 * 4
     loaded = cast(LoadedModel, SimpleNamespace(model=model, input_device=torch.device("cpu"), max_context=256))
-    monkeypatch.setattr(kv_blocks, "_host_available_bytes", lambda: 2 * 576 * 10_000)
-    # half of what is available, less three gather buffers of an eighth of the budget
-    assert kv_blocks.kv_budget_tokens("auto", loaded) == 10_000 * 8 // 11
-    assert kv_blocks.kv_budget_tokens("4096", loaded) == 4096
-    monkeypatch.setattr(kv_blocks, "_host_available_bytes", lambda: 2 * 576 * 100)
+    monkeypatch.setattr(kv_memory, "host_available_bytes", lambda: 2 * 576 * 10_000)  # half of it is usable
+
+    def size(setting: str) -> kv_memory.PoolSize:
+        return kv_memory.pool_size(setting, loaded, max_sessions=4, max_rows=2, block_tokens=16)
+
+    # a window: 2 rows of 256 + 65 positions in blocks of 16 (336 each), at most half the pool; three sets
+    assert size("sessions").tokens == 4 * 256 and size("sessions").window_positions == 1024 // 2
+    assert size("3000").window_positions == 2 * 336
+    assert size("auto").tokens == 10_000 - 3 * 672 and size("auto").bytes == 576 * 10_000
+    assert size("4096").tokens == 4096
+    with pytest.raises(ValueError, match=r"--max-cached-tokens 100000: .* lower --max-cached-tokens"):
+        size("100000")
+    monkeypatch.setattr(kv_memory, "host_available_bytes", lambda: 2 * 576 * 2_200)
     with pytest.raises(ValueError, match="less than one full context"):
-        kv_blocks.kv_budget_tokens("auto", loaded)
+        size("auto")
     assert parse_model_service_config("target", ["--model", "m", "--max-cached-tokens", "auto"]).max_cached_tokens
+    assert parse_model_service_config("target", ["--model", "m"]).max_cached_tokens == "sessions"
     with pytest.raises(SystemExit):
         parse_model_service_config("target", ["--model", "m", "--max-cached-tokens", "lots"])
 
@@ -252,9 +266,9 @@ def test_batches_that_continue_over_kept_windows_keep_each_sessions_own_logits()
             for row, logits in zip(rows, forward(rows), strict=True):
                 assert logits is not None
                 assert torch.allclose(logits, _logits(model, sequences[row.slot], row.num_logits), atol=1e-4)
-    assert store.windows_continued > 30  # the windows were really reused
+    assert store.windows.continued > 30  # the windows were really reused
     forward.idle()
-    assert not store._windows
+    assert not store.windows.kept
 
 
 def test_a_window_no_store_keeps_is_freed_at_once_without_the_cyclic_collector():
@@ -274,7 +288,7 @@ def test_a_window_no_store_keeps_is_freed_at_once_without_the_cyclic_collector()
             for group in [(0, 1), (2, 3), (4, 5), (0, 2), (1, 3, 5)]:
                 rows = [Row(slot, 0, [1 + slot, 2, 3], 1) for slot in group]
                 forward(rows)
-                windows.append(weakref.ref(next(reversed(store._windows.values()))))  # the newest
+                windows.append(weakref.ref(next(reversed(store.windows.kept.values()))))  # the newest
                 for slot in group:
                     store.release(slot)
         assert sum(ref() is not None for ref in windows) == 2, "only the two kept windows may be alive"
@@ -287,7 +301,7 @@ def test_a_window_no_store_keeps_is_freed_at_once_without_the_cyclic_collector()
 def _greedy_step(model, store: BlockStore, forward: BatchedForward, sequences: dict, slots: list[int]) -> int:
     """One greedy token for each of `slots` (a new session feeds its whole sequence), each logit checked
     against the model's own forward; returns the rows the forward gathered from the blocks."""
-    before = store.rows_gathered
+    before = store.windows.rows_gathered
     rows = []
     for slot in slots:
         sequence = sequences[slot]
@@ -297,7 +311,7 @@ def _greedy_step(model, store: BlockStore, forward: BatchedForward, sequences: d
         assert logits is not None
         assert torch.allclose(logits, _logits(model, sequences[row.slot], 1), atol=1e-4)
         sequences[row.slot].append(int(logits[-1].argmax()))
-    return store.rows_gathered - before
+    return store.windows.rows_gathered - before
 
 
 def test_a_session_that_ends_and_one_that_joins_cost_one_row_not_the_batch():
@@ -323,7 +337,7 @@ def test_a_session_that_ends_and_one_that_joins_cost_one_row_not_the_batch():
         store.truncate(6, len(sequences[6]) - 3)  # a rollback within what the window holds
         del sequences[6][-2:]
         assert step(list(range(8))) == 0
-        assert store.windows_continued == 3
+        assert store.windows.continued == 3
 
 
 def test_a_batch_that_grows_as_streams_arrive_keeps_its_window():
@@ -344,10 +358,10 @@ def test_a_batch_that_grows_as_streams_arrive_keeps_its_window():
         assert step([0, 1]) == 0
         assert step([0, 1, 2]) == 1
         assert step([0, 1, 2, 3, 4, 5]) == 3
-        (window,) = store._windows.values()
-        assert window.rows == 6 and store.windows_continued == 1
+        (window,) = store.windows.kept.values()
+        assert window.rows == 6 and store.windows.continued == 1
         assert step(list(range(7))) == 7  # wider than any batch the engine forms: the forward's own gather
-        assert list(store._windows.values()) == [window]
+        assert list(store.windows.kept.values()) == [window]
         assert step(list(range(6))) == 6  # the window stays, its rows stale: written outside it
 
 
@@ -368,19 +382,19 @@ def test_a_long_prompts_chunk_keeps_no_window_and_the_decoding_batch_keeps_its_o
                 assert torch.allclose(logits, _logits(model, sequences[row.slot], 1), atol=1e-4)
 
         forward([Row(slot, 0, sequences[slot], 1) for slot in range(4)])
-        assert not store._windows  # 100 tokens wide: a prefill
+        assert not store.windows.kept  # 100 tokens wide: a prefill
         decode(range(4))
-        windows = list(store._windows)
+        windows = list(store.windows.kept)
         assert len(windows) == 1
         sequences[4] = [rng.randrange(96) for _ in range(70)]  # wider than the headroom of 64
         (logits,) = forward([Row(4, 0, sequences[4], 1)])
         assert logits is not None
         assert torch.allclose(logits, _logits(model, sequences[4], 1), atol=1e-4)
-        assert list(store._windows) == windows
-        before = store.rows_gathered
+        assert list(store.windows.kept) == windows
+        before = store.windows.rows_gathered
         decode(range(5))
-        assert store.rows_gathered - before == 1  # the prompt's session joins; the others keep their rows
-        assert list(store._windows) == windows
+        assert store.windows.rows_gathered - before == 1  # the prompt's session joins; the others keep their rows
+        assert list(store.windows.kept) == windows
 
 
 def test_a_forward_that_fails_before_the_model_runs_leaves_no_row_trusted(monkeypatch):
@@ -410,52 +424,70 @@ def test_a_forward_that_fails_before_the_model_runs_leaves_no_row_trusted(monkey
 
 
 @pytest.mark.parametrize("one_copy", [False, True], ids=["a copy a row", "one copy (devices)"])
-def test_a_row_that_joins_a_window_reads_finite_values_past_its_own_blocks(one_copy, monkeypatch):
-    """A session that joins a kept window gathers only its own blocks where its window row was written
-    before, and the whole row, padded with the scratch block, where it was not: window buffers are
-    allocated uninitialised, and a masked NaN there would turn the row's attention into NaN."""
+def test_a_row_that_joins_a_window_gathers_only_its_own_blocks(one_copy, monkeypatch):
+    """The windows' buffers are taken zeroed at start, so a session that joins a kept window gathers
+    only its own blocks: what lies past them in its row is finite (a zero, or the keys of the session
+    that had the row), and masked."""
     from model_host import batch_view
 
     monkeypatch.setattr(batch_view, "_one_copy", lambda device: one_copy)
     model, store, forward = _windowed()
     rng = random.Random(7)
     sequences = {slot: [rng.randrange(96) for _ in range(6 + 3 * slot)] for slot in range(6)}
+    joined: list[tuple[int, int]] = []
+    view_index = batch_view.BatchView._index
+
+    def index(view: batch_view.BatchView, rows: list[Row], device: torch.device) -> None:
+        view_index(view, rows, device)
+        if view.fresh:  # rows that join a kept window
+            joined.append((len(view.read_blocks), sum(len(view._tables[i]) for i in view.fresh)))
+
+    monkeypatch.setattr(batch_view.BatchView, "_index", index)
     with torch.inference_mode():
+        forward([Row(0, 0, [1, 2, 3], 1)])  # the start-up check's forward allocates every layer
+        store.release(0)
+        forward.idle()  # as the engine does once no session is open
+        store.take_pool()
+        for buffers in [*store.windows.spare, store.windows.gathered]:
+            for keys, values in buffers._tensors.values():
+                assert keys.numel() == values.numel() >= store.windows.positions and torch.isfinite(keys).all()
 
         def step(slots: list[int]) -> None:
             _greedy_step(model, store, forward, sequences, slots)  # a NaN logit is never close
 
         step([0, 1, 2, 3])
         step([0, 1, 2, 3])
-        (window,) = store._windows.values()
-        # As many rows as its eighth of the budget holds at this capacity (fewer than max_rows here)
-        assert window.rows == store._window_positions // window.capacity < store.max_rows
-        assert window.rows > 5 and window.finite == 4
-        positions = window.rows * window.capacity
-        for layer, tensors in window.buffers._tensors.items():  # what uninitialised memory may hold
-            heads, _, dim = store.keys[layer].shape
-            for tensor in tensors:
-                tensor[: heads * positions * dim].view(heads, positions, dim)[:, 4 * window.capacity :] = float("nan")
-        step([0, 1, 2, 3, 4])  # slot 4 takes row 4, never written: gathered padded to the capacity
-        assert window.finite == 5
+        (window,) = store.windows.kept.values()
+        step([0, 1, 2, 3, 4])  # slot 4 takes row 4, never written
         store.release(1)
         del sequences[1]
         step([0, 2, 3, 4, 5])  # slot 5 takes row 1: its own blocks; the rest of the row is slot 1's
-        assert store.windows_continued >= 1 and list(store._windows.values()) == [window]
+        assert store.windows.continued >= 1 and list(store.windows.kept.values()) == [window]
+    assert len(joined) == 2 and all(read == own for read, own in joined)
 
 
-def test_an_idle_engine_keeps_window_buffers_and_frees_the_prefill_gather():
-    """Idle, no window can be continued, but the next busy spell would fault a new buffer's pages in
-    again: the windows' buffers serve the next windows. A long prompt's chunk gather goes back."""
-    _, store, forward = _windowed()
+def test_an_idle_engine_keeps_window_buffers_and_shrinks_a_grown_gather():
+    """Idle, no window can be continued, but the buffers stay for the next busy spell (a host would
+    fault their pages in again, and they are the service's memory from its start). A gather that a
+    forward wider than a window grew goes back to its size."""
+    model = _models()["llama"]
+    store = BlockStore(torch.device("cpu"), torch.float32, 256, max_tokens=16384, block_tokens=8, max_rows=2)
+    forward = BatchedForward(model, store)
+    assert store.windows.positions == 2 * 328  # two rows of 256 + 65 positions, in blocks of 8
     with torch.inference_mode():
-        forward([Row(slot, 0, [1 + slot, 2, 3], 1) for slot in range(4)])
-        (window,) = store._windows.values()
-        forward([Row(9, 0, list(range(1, 80)), 1)])  # wider than the headroom: the store's own gather
-        gathered = store.gathered
-        for slot in [*range(4), 9]:
+        forward([Row(slot, 0, [1 + slot, 2, 3], 1) for slot in range(2)])
+        (window,) = store.windows.kept.values()
+        forward([Row(9, 0, list(range(1, 80)), 1)])  # wider than the headroom: the own gather
+        gathered = store.windows.gathered
+        for slot in [*range(2), 9]:
             store.release(slot)
         forward.idle()
-        assert not store._windows and store.gathered is not gathered
-        forward([Row(slot, 0, [4, 5, 6], 1) for slot in range(4, 8)])
-        assert next(iter(store._windows.values())).buffers is window.buffers
+        assert not store.windows.kept and store.windows.gathered is gathered
+        forward([Row(slot, 0, [1 + t % 90 for t in range(240)], 1) for slot in range(10, 13)])  # 720 positions: grown
+        assert store.windows.gathered.grown
+        for slot in range(10, 13):
+            store.release(slot)
+        forward.idle()
+        assert store.windows.gathered is not gathered and not store.windows.gathered.grown
+        forward([Row(slot, 0, [4, 5, 6], 1) for slot in range(4, 6)])
+        assert next(iter(store.windows.kept.values())).buffers is window.buffers

@@ -11,7 +11,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 from draft_service.lean import LeanDraft
 from draft_service.servicer import DraftServicer
 from model_host.config import ModelServiceConfig
-from model_host.kv_blocks import BlockStore, Row
+from model_host.kv_blocks import BlockStore
+from model_host.rows import Row
 from tests.tiny_models import tiny_llama
 
 

@@ -294,7 +294,7 @@ def test_session_and_token_limits_leave_other_sessions_running(target_model):
             assert first.step(target_pb2.VerifyRequest(keep=10, append_token_ids=[4], num_rows=1)).result == OK
             first.close()
         assert wait_until(lambda: server.servicer.store.open_sessions == 0)
-        assert server.servicer.store.cached_tokens == 0
+        assert server.servicer.block_store.tokens_held == 0
     finally:
         server.stop()
 

@@ -1,0 +1,33 @@
+"""A row: one session's part of a batched forward, a chain of new tokens or a tree of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Row:
+    """One session's part of a batched forward."""
+
+    slot: int
+    start: int  # tokens already cached for this session (its valid length after rollback)
+    token_ids: list[int]  # the tokens to feed, at cache positions start .. start + len - 1
+    num_logits: int  # logits wanted for the last num_logits of token_ids (0: none)
+    # A tree row: each token's parent among token_ids (-1: the cached prefix's last token). Its tokens
+    # sit at position start + depth and see their ancestors only; they are dropped after the forward.
+    parents: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.parents and (
+            len(self.parents) != len(self.token_ids) or any(not -1 <= p < i for i, p in enumerate(self.parents))
+        ):
+            raise ValueError("a tree row's parents must name an earlier token of the row, or -1, for each token")
+
+    def depths(self) -> list[int]:
+        """Each token's depth below the cached prefix (0: a child of its last token)."""
+        if not self.parents:
+            return list(range(len(self.token_ids)))
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(depths[parent] + 1 if parent >= 0 else 0)
+        return depths
