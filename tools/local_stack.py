@@ -215,8 +215,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"starting target ({args.target_model}), draft ({args.draft_model}) and orchestrator on {LOOPBACK} ...",
         file=sys.stderr,
     )
+    # One generation: a small pool (the services take theirs whole at start), so that they start fast.
+    small = ["--max-sessions", "4"]
     with (
-        LocalStack(args.target_model, args.draft_model, log_dir=args.log_dir) as stack,
+        LocalStack(args.target_model, args.draft_model, log_dir=args.log_dir, extra_service_args=small) as stack,
         grpc.insecure_channel(stack.orchestrator_address) as channel,
     ):
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
