@@ -76,7 +76,7 @@ def run(
             while requests and len(active) < concurrency:
                 prompt, wanted = requests.pop(0)
                 slot = heapq.heappop(free) if free else len(active)  # slots in use are 0 .. len(active) - 1
-                start = forward.reuse(slot, prompt, len(prompt) - 1, b"")
+                start = store.reuse(slot, prompt, len(prompt) - 1, b"")
                 active[slot] = _Stream(start, prompt[start:], wanted)
             rows = sorted(
                 (
@@ -103,7 +103,7 @@ def run(
                             accepted += 1
                         stream.start += 1 + accepted
                         if accepted < verify:
-                            forward.truncate(row.slot, stream.start)  # the rejected drafts roll back
+                            store.truncate(row.slot, stream.start)  # the rejected drafts roll back
                     else:  # the prompt
                         stream.start += len(row.token_ids)
                     token = int(row_logits[-1].argmax())

@@ -131,6 +131,7 @@ class Engine:
         self, forward: Forward, limits: EngineLimits, role: str, overhead_tokens: float = DEFAULT_OVERHEAD_TOKENS
     ) -> None:
         self.forward = forward
+        self.store = forward.store  # what each slot holds, and the one allocator (model_host/kv_blocks.py)
         self.limits = limits
         self.role = role
         # The fixed cost of a forward over the cost of one token fed (`profile.overhead_tokens`): how
@@ -160,12 +161,8 @@ class Engine:
         self._thread.start()
 
     def run(self) -> None:
-        """Run the loop in the calling thread until `stop`.
-
-        A service runs it in its main thread: torch's intra-op thread pool then works at full speed,
-        while a loop in a secondary thread paid for waking its worker threads in every operation
-        (measured: one forward of the default target at two threads, 5.2 ms from the main thread,
-        11-12 ms from another)."""
+        """Run the loop in the calling thread until `stop`. A service runs it in its main thread, where
+        torch's intra-op pool works at full speed (docs/design.md, "The engine")."""
         self._loop()
 
     def release(self, slot: int) -> None:
@@ -195,7 +192,7 @@ class Engine:
 
         def run() -> None:
             try:
-                done.set_result(self.forward.resolve(slot, branch))
+                done.set_result(self.store.resolve(slot, branch))
             except Exception as exc:
                 done.set_exception(exc)
                 raise
@@ -215,10 +212,10 @@ class Engine:
     def _fork(self, slot: int, branches: list[int]) -> None:
         for branch in branches:
             try:
-                self.forward.fork(slot, branch)
+                self.store.fork(slot, branch)
             except (OutOfBlocks, ValueError) as exc:
                 log.info("fork_refused", slot=slot, branch=branch, reason=str(exc))
-                self.forward.drop(branch)  # its steps fail as a dropped branch's
+                self.store.drop(branch)  # its steps fail as a dropped branch's
 
     def submit(self, job: Job) -> Future[Job]:
         with self._wake:
@@ -311,20 +308,23 @@ class Engine:
         """A new step: its slot rolls back to where the step starts (the blocks past it are freed), and
         a session's first step starts from the longest cached prefix of its tokens."""
         self._active.append(job)
-        forward = self.forward
+        store = self.store
         try:
-            if forward.dropped(job.slot) and job.start:
+            if job.slot in store.reclaimed and job.start:
                 raise resource_exhausted(
                     "this branch was dropped to admit a live session's step (branches are reclaimable); fork again"
                 )
-            forward.truncate(job.slot, job.start)
+            store.truncate(job.slot, job.start)
             if job.start == 0:
-                job.reused = forward.reuse(job.slot, job.pending, job.most_reused(), job.cache_salt)
+                job.reused = store.reuse(job.slot, job.pending, job.most_reused(), job.cache_salt)
                 job.start, job.pending = job.reused, job.pending[job.reused :]
-            if not forward.reserve(job.slot, max(job.max_length, job.start + len(job.pending))):
+            length = max(job.max_length, job.start + len(job.pending))
+            if not store.reserve(job.slot, length):
+                taken = (store.used_blocks + store.reserved_blocks) * store.block_tokens
                 raise resource_exhausted(
-                    f"the {self.role}'s key-value blocks are all held or reserved by other sessions; retry later, "
-                    "add replicas, or raise --max-cached-tokens"
+                    f"caching {length} tokens for this session would exceed the {self.role}'s budget of "
+                    f"{store.budget_tokens} tokens ({taken} held or reserved, in blocks of {store.block_tokens}); "
+                    "retry later, add replicas, or raise --max-cached-tokens"
                 )
         except OutOfBlocks as exc:
             self._active.remove(job)
@@ -338,7 +338,7 @@ class Engine:
         waiting = []
         for job in self._active:
             if job.future.cancelled():
-                self.forward.settle(job.slot)
+                self.store.settle(job.slot)
             else:
                 waiting.append(job)
         self._active = []
@@ -422,7 +422,7 @@ class Engine:
 
     def _end(self, job: Job, error: BaseException | None = None) -> None:
         """The job is over (failed when `error`): its reservation's rest goes back."""
-        self.forward.settle(job.slot)
+        self.store.settle(job.slot)
         if error is None:
             _finish(job)
         else:

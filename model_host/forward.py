@@ -27,7 +27,6 @@ from model_host.attention import AttentionLayout
 from model_host.batch_view import BatchView, split_logits
 from model_host.kv_blocks import BlockStore
 from model_host.rows import Row
-from serving.errors import invalid_argument
 
 log = structlog.get_logger(__name__)
 
@@ -52,56 +51,23 @@ class ModelNotServable(ValueError):
 
 
 class Forward:
-    """Runs rows through the model; `release(slot)` forgets a slot's contents."""
+    """Runs rows through the model. Its block store (`store`) is the record of what each slot holds
+    and the one allocator: the engine admits, rolls back, forks and frees slots there."""
 
     name = "forward"
     batched = True
     device = torch.device("cpu")
+    store: BlockStore  # a paged forward's keys and values too; the fallback's books alone
 
     def __call__(self, rows: list[Row]) -> RowLogits:
         raise NotImplementedError
 
     def release(self, slot: int) -> None:
-        """The slot's session is gone; its storage may be reused."""
-
-    def truncate(self, slot: int, length: int) -> None:
-        """The slot's session rolled back to its first `length` tokens (its next row starts there)."""
+        """The slot's session is gone: its blocks, and whatever the forward keeps for it, go back."""
+        self.store.release(slot)
 
     def idle(self) -> None:
         """The engine has nothing to run: drop what only the next forward could reuse."""
-
-    def reuse(self, slot: int, tokens: list[int], most: int, salt: bytes) -> int:
-        """Start an empty slot from cached keys and values of a prefix of `tokens` (at most `most`
-        tokens); returns how many it starts from (0 without prefix caching)."""
-        return 0
-
-    def length(self, slot: int) -> int:
-        """Tokens the slot holds: the one record of a session's cached length."""
-        raise NotImplementedError
-
-    def reserve(self, slot: int, length: int) -> bool:
-        """Reserve what the slot needs to grow to `length` tokens in the step it starts; False when the
-        budget cannot hold it (model_host/kv_blocks.py, "Admission")."""
-        return True
-
-    def settle(self, slot: int) -> None:
-        """The slot's step ended: its reservation's rest goes back."""
-
-    def fork(self, slot: int, branch: int) -> None:
-        """Start the empty slot `branch` as a branch of `slot`, sharing its cached keys and values."""
-        raise invalid_argument(f"the {self.name} forward serves chains only: it cannot fork a session")
-
-    def resolve(self, slot: int, branch: int) -> bool:
-        """Make `branch` what `slot` holds; False when the branch was dropped (`slot` keeps what it held)."""
-        raise invalid_argument(f"the {self.name} forward serves chains only: it has no branches to resolve")
-
-    def drop(self, slot: int) -> None:
-        """Free the branch at `slot` and remember it was dropped (`dropped`)."""
-        self.release(slot)
-
-    def dropped(self, slot: int) -> bool:
-        """Whether the slot was a branch, dropped to admit a live session's step."""
-        return False
 
     def synchronize(self) -> None:
         """Wait until the device has run what the last call queued, so that a clock read after it
@@ -114,39 +80,7 @@ class Forward:
 
 
 class PagedForward(Forward):
-    """A forward over a `BlockStore`: releases, rollbacks and prefix reuse are the store's."""
-
-    store: BlockStore
-
-    def release(self, slot: int) -> None:
-        self.store.release(slot)
-
-    def truncate(self, slot: int, length: int) -> None:
-        self.store.truncate(slot, length)
-
-    def reuse(self, slot: int, tokens: list[int], most: int, salt: bytes) -> int:
-        return self.store.reuse(slot, tokens, most, salt)
-
-    def length(self, slot: int) -> int:
-        return self.store.length(slot)
-
-    def reserve(self, slot: int, length: int) -> bool:
-        return self.store.reserve(slot, length)
-
-    def settle(self, slot: int) -> None:
-        self.store.settle(slot)
-
-    def fork(self, slot: int, branch: int) -> None:
-        self.store.fork(slot, branch)
-
-    def resolve(self, slot: int, branch: int) -> bool:
-        return self.store.resolve(slot, branch)
-
-    def drop(self, slot: int) -> None:
-        self.store.drop(slot)
-
-    def dropped(self, slot: int) -> bool:
-        return slot in self.store.reclaimed
+    """A forward whose keys and values live in its `BlockStore`."""
 
     def idle(self) -> None:
         self.store.drop_windows()
@@ -205,6 +139,7 @@ class SerialForward(Forward):
         self.device = model.get_input_embeddings().weight.device
         self.caches: dict[int, DynamicCache] = {}
         self.store = store
+        store.prefix_caching = False  # the keys and values live in the caches: no block can be reused
 
     def _new_cache(self) -> DynamicCache:
         """The model's own cache layout, except that sliding-window layers keep every token: Hugging
@@ -237,19 +172,7 @@ class SerialForward(Forward):
 
     def release(self, slot: int) -> None:
         self.caches.pop(slot, None)
-        self.store.release(slot)
-
-    def truncate(self, slot: int, length: int) -> None:
-        self.store.truncate(slot, length)  # the cache itself is cropped when the slot's next row runs
-
-    def length(self, slot: int) -> int:
-        return self.store.length(slot)
-
-    def reserve(self, slot: int, length: int) -> bool:
-        return self.store.reserve(slot, length)
-
-    def settle(self, slot: int) -> None:
-        self.store.settle(slot)
+        super().release(slot)
 
 
 def check_schedule(layout: AttentionLayout, context: int, vocab: int, chunk: int) -> list[list[Row]]:

@@ -43,7 +43,7 @@ class SlotLease:
 
     @property
     def length(self) -> int:
-        return 0 if self.released else self.engine.forward.length(self.slot)
+        return 0 if self.released else self.engine.store.length(self.slot)
 
     def release(self) -> None:
         if not self.released:

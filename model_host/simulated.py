@@ -247,7 +247,7 @@ class SimulatedForward(Forward):
         self.name = f"{inner.name}, simulated {profile.name}"
         self.batched = inner.batched
         self.device = inner.device
-        self.store = getattr(inner, "store", None) if inner.batched else None  # it counts the rows it gathers
+        self.store = inner.store
         self._stand_in_cpu = SIMULATED_STAND_IN_CPU.labels(role)  # the engine thread's CPU in the forwards
         self._forwards = SIMULATED_FORWARDS.labels(role)
         self._overruns = SIMULATED_OVERRUNS.labels(role)
@@ -260,15 +260,15 @@ class SimulatedForward(Forward):
             [(row.start, len(row.token_ids)) for row in rows],
             self.kernels,
             gathered,
-            windowed=self.store is not None,
+            windowed=self.batched,
         )
 
     def __call__(self, rows: list[Row]) -> RowLogits:
         started, cpu = time.perf_counter(), time.thread_time()
-        gathered_before = self.store.windows.rows_gathered if self.store is not None else 0
+        gathered_before = self.store.windows.rows_gathered
         logits = self.inner(rows)
         self.inner.synchronize()
-        gathered = (self.store.windows.rows_gathered - gathered_before) if self.store is not None else 0
+        gathered = self.store.windows.rows_gathered - gathered_before  # none by the fallback
         self._stand_in_cpu.inc(time.thread_time() - cpu)
         remaining = self.modeled(rows, gathered) - (time.perf_counter() - started)
         self._forwards.inc()
@@ -281,35 +281,8 @@ class SimulatedForward(Forward):
     def release(self, slot: int) -> None:
         self.inner.release(slot)
 
-    def truncate(self, slot: int, length: int) -> None:
-        self.inner.truncate(slot, length)
-
     def idle(self) -> None:
         self.inner.idle()
-
-    def reuse(self, slot: int, tokens: list[int], most: int, salt: bytes) -> int:
-        return self.inner.reuse(slot, tokens, most, salt)
-
-    def length(self, slot: int) -> int:
-        return self.inner.length(slot)
-
-    def reserve(self, slot: int, length: int) -> bool:
-        return self.inner.reserve(slot, length)
-
-    def settle(self, slot: int) -> None:
-        self.inner.settle(slot)
-
-    def fork(self, slot: int, branch: int) -> None:
-        self.inner.fork(slot, branch)
-
-    def resolve(self, slot: int, branch: int) -> bool:
-        return self.inner.resolve(slot, branch)
-
-    def drop(self, slot: int) -> None:
-        self.inner.drop(slot)
-
-    def dropped(self, slot: int) -> bool:
-        return self.inner.dropped(slot)
 
     def synchronize(self) -> None:
         self.inner.synchronize()

@@ -12,6 +12,7 @@ import torch
 from model_host.batching import chunk_tokens, group_ends
 from model_host.engine import Engine, EngineLimits, Job
 from model_host.forward import Forward, RowLogits
+from model_host.kv_blocks import BlockStore
 from model_host.profile import forward_costs, overhead_tokens
 from model_host.rows import Row
 from serving.errors import ServiceError
@@ -24,6 +25,7 @@ class FakeForward(Forward):
     """Records every batch; logits say which slot and position produced them."""
 
     def __init__(self, delay_s: float = 0.0, fail_on_slot: int | None = None) -> None:
+        self.store = BlockStore(torch.device("cpu"), torch.float32, 4096)  # the books alone: nothing is paged
         self.batches: list[list[Row]] = []
         self.delay_s = delay_s
         self.fail_on_slot = fail_on_slot
@@ -304,6 +306,7 @@ class IdleCounting(FakeForward):
 
     def release(self, slot: int) -> None:
         self.released.append(slot)
+        super().release(slot)
 
 
 def test_kept_buffers_survive_gaps_between_steps_and_go_after_the_last_session():

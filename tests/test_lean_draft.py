@@ -53,7 +53,7 @@ def test_a_long_row_over_many_blocks_and_a_prefix_reused_from_them():
         want = model(torch.tensor([ids])).logits[0, -1]
         assert got is not None and torch.allclose(got[0], want, atol=1e-4)
         other = [*ids[:300], 7, 8]
-        start = lean.reuse(6, other, len(other) - 1, b"")
+        start = lean.store.reuse(6, other, len(other) - 1, b"")
         assert start == 288
         again = lean([Row(slot=6, start=start, token_ids=other[start:], num_logits=2)])[0]
         assert again is not None and torch.allclose(again, model(torch.tensor([other])).logits[0, -2:], atol=1e-4)
