@@ -30,6 +30,10 @@ GPU_SHARE = 0.9
 HOST_SHARE = 0.5
 
 
+class PoolTooLarge(ValueError):
+    """The memory cannot hold the pool `--max-cached-tokens` asks for: the service refuses to start."""
+
+
 @dataclass(frozen=True)
 class PoolSize:
     """What the pool takes: its tokens, each window's positions, and the bytes of both."""
@@ -60,7 +64,7 @@ def pool_size(
     setting: str | int, loaded: LoadedModel, max_sessions: int, max_rows: int, block_tokens: int, least: int = 0
 ) -> PoolSize:
     """The pool for `--max-cached-tokens setting` (at least `least` tokens: what the start-up check
-    caches at once); ValueError naming the flag when the memory cannot hold it."""
+    caches at once); PoolTooLarge naming the flag when the memory cannot hold it."""
     per_token = kv_bytes_per_token(loaded.model, loaded.input_device)
     context = loaded.max_context
     usable = _usable_bytes(loaded.input_device)
@@ -77,14 +81,14 @@ def pool_size(
     size = PoolSize(tokens, window_positions(max_rows, context, block_tokens, tokens), per_token)
     where = "of the GPU's free memory" if loaded.input_device.type == "cuda" else "of the host's available memory"
     if size.bytes > usable:
-        raise ValueError(
+        raise PoolTooLarge(
             f"--max-cached-tokens {setting}: {tokens} tokens of keys and values ({per_token} bytes each) and the "
             f"gather windows take {size.bytes / 2**30:.2f} GiB, more than the {usable / 2**30:.2f} GiB "
             f"({_share(loaded.input_device):.0%} {where}) this service may use; lower --max-cached-tokens, "
             "--max-batch-size or --max-sessions, or free memory"
         )
     if setting in ("auto", "sessions") and tokens < context:
-        raise ValueError(
+        raise PoolTooLarge(
             f"--max-cached-tokens {setting}: {tokens} tokens hold less than one full context of {context}; "
             "free memory, or give a larger number"
         )

@@ -15,6 +15,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from model_host.config import ModelServiceConfig, parse_model_service_config
 from model_host.forward import ModelNotServable
+from model_host.kv_memory import PoolTooLarge
 from model_host.loading import LoadedModel, load_model
 from model_host.session_servicer import SessionServicer
 from serving import server as serving
@@ -162,6 +163,8 @@ def run_model_service(
         servicer = make_servicer(loaded, config)
     except ModelNotServable as exc:
         raise SystemExit(f"{prog}: {config.model}: {exc}") from exc
+    except PoolTooLarge as exc:
+        raise SystemExit(f"{prog}: {exc}") from exc
     serving.start_metrics(config.host, config.metrics_port)
     model_server = start_model_server(servicer, register, service_name, config, engine_thread=False)
     serving.on_sigterm(lambda: model_server.drain(config.grace_period_s))

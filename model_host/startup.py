@@ -25,7 +25,7 @@ log = structlog.get_logger(__name__)
 
 
 def open_block_store(loaded: LoadedModel, config: ModelServiceConfig, role: str) -> tuple[BlockStore, PoolSize]:
-    """The service's block store, its budget `--max-cached-tokens` (ValueError naming the flag when
+    """The service's block store, its budget `--max-cached-tokens` (PoolTooLarge naming the flag when
     the memory cannot hold it); its tensors are allocated by the start-up check's forward."""
     pool = pool_size(
         config.max_cached_tokens, loaded, config.max_sessions, config.max_batch_size, config.kv_block_tokens

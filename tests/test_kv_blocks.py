@@ -491,3 +491,16 @@ def test_an_idle_engine_keeps_window_buffers_and_shrinks_a_grown_gather():
         assert store.windows.gathered is not gathered and not store.windows.gathered.grown
         forward([Row(slot, 0, [4, 5, 6], 1) for slot in range(4, 6)])
         assert next(iter(store.windows.kept.values())).buffers is window.buffers
+
+
+def test_a_pool_the_memory_cannot_hold_stops_the_service_at_start_naming_the_flag(tiny_pair, monkeypatch):
+    from draft_service.servicer import SERVICE_NAME, DraftServicer, register
+    from model_host import kv_memory, runtime
+
+    monkeypatch.setattr(runtime, "configure_logging", lambda level: None)  # keep the suite's logging
+    monkeypatch.setattr(kv_memory, "host_available_bytes", lambda: 64 * 2**20)
+    argv = ["--model", str(tiny_pair.close_draft), "--host", "127.0.0.1", "--port", "0"]
+    with pytest.raises(SystemExit, match=r"^draft_service: --max-cached-tokens 10000000: .* lower --max-cached-tokens"):
+        runtime.run_model_service(
+            "draft_service", [*argv, "--max-cached-tokens", "10000000"], DraftServicer, register, SERVICE_NAME
+        )
