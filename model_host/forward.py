@@ -155,6 +155,7 @@ class SerialForward(Forward):
         if any(row.parents for row in rows):
             raise ValueError("the serial forward serves chains only: a tree row needs the batched forward")
         self.store.prepare(rows)  # its books only
+        self.store.publish()
         out: RowLogits = []
         for row in rows:
             cache = self.caches.get(row.slot)

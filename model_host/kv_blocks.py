@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import torch
 
 from model_host.config import ModelServiceConfig
-from model_host.metrics import KV_BLOCKS, KV_RESIDENT_BYTES, PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES
+from model_host.metrics import CACHED_TOKENS, KV_BLOCKS, KV_RESIDENT_BYTES, PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES
 from model_host.rows import Row
 from model_host.windows import Placement, Windows, window_positions
 
@@ -144,6 +144,7 @@ class BlockStore:
         self.windows = Windows(block_tokens, max_rows, window_positions(max_rows, max_context, block_tokens, pool))
         self._blocks_gauges = {state: KV_BLOCKS.labels(role, state) for state in ("used", "cached", "free")}
         self._resident = KV_RESIDENT_BYTES.labels(role)
+        self._tokens_gauge = CACHED_TOKENS.labels(role)
         self._queries = PREFIX_CACHE_QUERIES.labels(role)
         self._hits = PREFIX_CACHE_HITS.labels(role)
         self.publish()
@@ -441,3 +442,4 @@ class BlockStore:
         self._blocks_gauges["cached"].set(cached)
         self._blocks_gauges["free"].set(self.num_blocks - 1 - used - cached)
         self._resident.set(sum(t.numel() * t.element_size() for t in [*self.keys.values(), *self.values.values()]))
+        self._tokens_gauge.set(self.tokens_held)

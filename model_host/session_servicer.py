@@ -26,7 +26,7 @@ from model_host.engine import Job
 from model_host.forward import Forward, choose_forward
 from model_host.link import Link, Pending, SlotLease, StepRequest, answers
 from model_host.loading import LoadedModel
-from model_host.metrics import CACHED_TOKENS, FED_TOKENS, FORWARD_SECONDS, OPEN_SESSIONS, STEPS
+from model_host.metrics import FED_TOKENS, FORWARD_SECONDS, OPEN_SESSIONS, STEPS
 from model_host.sessions import Session, SessionStore
 from model_host.simulated import SimulatedForward
 from model_host.startup import open_block_store, start_engine
@@ -72,7 +72,6 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         self._forward_seconds = FORWARD_SECONDS.labels(self.role)
         self._steps_ok = STEPS.labels(self.role, "ok")
         self._open_sessions = OPEN_SESSIONS.labels(self.role)
-        self._cached_tokens = CACHED_TOKENS.labels(self.role)
 
     # --- what subclasses provide -------------------------------------------------------------
 
@@ -433,4 +432,3 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
 
     def _publish_gauges(self) -> None:
         self._open_sessions.set(self.store.open_sessions)
-        self._cached_tokens.set(self.block_store.tokens_held)

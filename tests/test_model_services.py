@@ -11,6 +11,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client import REGISTRY
 
 from model_host.loading import LoadedModel
 from serving.logits import logits_to_probs, rows_from_wire
@@ -294,7 +295,9 @@ def test_session_and_token_limits_leave_other_sessions_running(target_model):
             assert first.step(target_pb2.VerifyRequest(keep=10, append_token_ids=[4], num_rows=1)).result == OK
             first.close()
         assert wait_until(lambda: server.servicer.store.open_sessions == 0)
-        assert server.servicer.block_store.tokens_held == 0
+        # The engine frees a closed session's blocks on its own thread, and publishes the gauge then
+        assert wait_until(lambda: server.servicer.block_store.tokens_held == 0)
+        assert REGISTRY.get_sample_value("specdec:cached_tokens", {"service": "target"}) == 0
     finally:
         server.stop()
 
