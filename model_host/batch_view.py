@@ -123,35 +123,43 @@ class BatchView:
                 self.into_blocks = torch.tensor(into, dtype=torch.long, device=device)
         self.read_blocks = torch.tensor(read, dtype=torch.long, device=device)
         self._trees = [(index, row) for index, row in enumerate(rows) if row.parents]
+        self._tree: tuple[torch.Tensor, torch.Tensor] | None = None  # (key positions, ancestors): `_tree_keys`
 
     def mask(self, layer: LayerAttention = GLOBAL) -> torch.Tensor:
         """[B, 1, T, L] True where a query may attend, for a layer of this pattern (built once per view)."""
         mask = self._masks.get(layer)
         if mask is None:
-            tree = self._tree_mask(layer) if self._trees else None
-            mask = tree if tree is not None else visible_keys(layer, self._keys[None], self.position_ids)
+            if self._trees:
+                key_positions, ancestors = self._tree_keys()
+                mask = visible_keys(layer, key_positions, self.position_ids) & ancestors
+            else:
+                mask = visible_keys(layer, self._keys[None], self.position_ids)
             mask = self._masks[layer] = mask[:, None]
         return mask
 
-    def _tree_mask(self, layer: LayerAttention) -> torch.Tensor:
-        """[B, T, L] for a batch with tree rows: a tree token's key sits at its depth's position (so
-        windows and chunks are measured along its path), and a tree query sees, of the tree, its
-        ancestors and itself alone."""
-        batch, width = self.position_ids.shape
-        key_positions = self._keys[None].repeat(batch, 1)  # [B, L]
-        ancestors = torch.ones((batch, width, self.kv_length), dtype=torch.bool, device=self._keys.device)
-        for index, row in self._trees:
-            count, depths = len(row.token_ids), row.depths()
-            tree = slice(row.start, row.start + count)
-            key_positions[index, tree] = torch.tensor([row.start + d for d in depths], device=self._keys.device)
-            seen = torch.zeros((count, count), dtype=torch.bool)
-            for token, parent in enumerate(row.parents):
-                if parent >= 0:
-                    seen[token] = seen[parent]
-                seen[token, token] = True
-            ancestors[index, width - count :, tree] = seen.to(self._keys.device)
-            ancestors[index, : width - count, tree] = False  # padding queries see key 0 alone
-        return visible_keys(layer, key_positions, self.position_ids) & ancestors
+    def _tree_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a batch with tree rows: each key's position [B, L] (a tree token's at its depth's, so that
+        windows and chunks are measured along its path) and [B, T, L] where a query may see a key as
+        far as the tree goes (of the tree, a tree query sees its ancestors and itself alone). Built
+        once per view: every layer pattern shares them."""
+        if self._tree is None:
+            device = self._keys.device
+            batch, width = self.position_ids.shape
+            key_positions = self._keys[None].repeat(batch, 1)  # [B, L]
+            ancestors = torch.ones((batch, width, self.kv_length), dtype=torch.bool, device=device)  # [B, T, L]
+            for index, row in self._trees:
+                count = len(row.token_ids)
+                tree = slice(row.start, row.start + count)
+                key_positions[index, tree] = torch.tensor([row.start + d for d in row.depths()], device=device)
+                seen = torch.zeros((count, count), dtype=torch.bool)  # [count, count]: token sees token
+                for token, parent in enumerate(row.parents):
+                    if parent >= 0:
+                        seen[token] = seen[parent]
+                    seen[token, token] = True
+                ancestors[index, width - count :, tree] = seen.to(device)
+                ancestors[index, : width - count, tree] = False  # padding queries see key 0 alone
+            self._tree = key_positions, ancestors
+        return self._tree
 
     def input_ids(self) -> torch.Tensor:
         """[B, T] the rows' tokens, right-aligned (padding is token 0, never seen)."""

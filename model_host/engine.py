@@ -10,7 +10,6 @@ token). A job that arrives during a forward joins the next one; there is no wait
 from __future__ import annotations
 
 import contextlib
-import heapq
 import threading
 import time
 from collections import deque
@@ -26,7 +25,8 @@ from model_host.batching import chunk_tokens, group_ends
 from model_host.forward import Forward, RowLogits
 from model_host.kv_blocks import OutOfBlocks
 from model_host.metrics import BATCH_SIZE, BATCH_TOKENS, ENGINE_FORWARD_SECONDS, QUEUE_SECONDS
-from model_host.rows import Row
+from model_host.rows import Row, tree_error
+from model_host.slots import SlotAllocator
 from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError, invalid_argument, resource_exhausted
 from serving.memory import release_freed_memory
 
@@ -70,7 +70,7 @@ class Job:
     # The most tokens the session holds by the step's end (0: start + pending), which the step reserves
     # blocks for before its first forward: more than `pending` when `advance` feeds more (the draft's).
     max_length: int = 0
-    parents: tuple[int, ...] = ()  # a tree step: each pending token's parent (model_host/kv_blocks.Row)
+    parents: tuple[int, ...] = ()  # a tree step: each pending token's parent (model_host/rows.py)
 
     def most_reused(self) -> int:
         """How many of the tokens to feed may come from the prefix cache: all but those whose logits
@@ -80,48 +80,6 @@ class Job:
     def advance(self, logits: torch.Tensor) -> list[int] | None:
         """Logits [num_logits, vocab] after `pending` was fed: the next tokens to feed, or None when done."""
         return None
-
-
-class SlotAllocator:
-    """Slot numbers for sessions: the lowest free one first, so a batch's slots tend to be contiguous.
-
-    A released slot is reused only after the engine's current iteration (a forward may still be
-    writing to it)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._free: list[int] = []
-        self._released: list[int] = []
-        self._next = 0
-
-    def lease(self) -> int:
-        with self._lock:
-            if self._free:
-                return heapq.heappop(self._free)
-            self._next += 1
-            return self._next - 1
-
-    def release(self, slot: int) -> None:
-        with self._lock:
-            self._released.append(slot)
-
-    def released(self) -> bool:
-        """Whether slots were released since the last `recycle`."""
-        with self._lock:
-            return bool(self._released)
-
-    def leased(self) -> int:
-        """Slots that sessions hold now."""
-        with self._lock:
-            return self._next - len(self._free) - len(self._released)
-
-    def recycle(self) -> list[int]:
-        """Make released slots leasable again; returns them."""
-        with self._lock:
-            released, self._released = self._released, []
-            for slot in released:
-                heapq.heappush(self._free, slot)
-            return released
 
 
 class Engine:
@@ -310,6 +268,10 @@ class Engine:
         self._active.append(job)
         store = self.store
         try:
+            # A step's own faults fail it here, never the forward it would share with other sessions
+            tree = tree_error(job.parents, len(job.pending), job.start)
+            if tree or (job.parents and not self.forward.batched):
+                raise invalid_argument(tree or f"the {self.forward.name} forward serves chains only: no tree rows")
             if job.slot in store.reclaimed and job.start:
                 raise resource_exhausted(
                     "this branch was dropped to admit a live session's step (branches are reclaimable); fork again"

@@ -143,7 +143,9 @@ class BlockStore:
         self.reclaimed: set[int] = set()  # branch slots dropped to admit a live session's step
         self.windows = Windows(block_tokens, max_rows, window_positions(max_rows, max_context, block_tokens, pool))
         self._blocks_gauges = {state: KV_BLOCKS.labels(role, state) for state in ("used", "cached", "free")}
+        self.resident_bytes = 0  # the layers' key and value tensors, counted as they are allocated
         self._resident = KV_RESIDENT_BYTES.labels(role)
+        self._resident.set(0)
         self._tokens_gauge = CACHED_TOKENS.labels(role)
         self._queries = PREFIX_CACHE_QUERIES.labels(role)
         self._hits = PREFIX_CACHE_HITS.labels(role)
@@ -336,8 +338,6 @@ class BlockStore:
         """Blocks for every row's new tokens (rolled back first where a row starts earlier)."""
         span = self.block_tokens
         for row in rows:
-            if row.parents and not row.start:
-                raise ValueError("a tree row grows from a cached prefix: its step must start past token 0")
             slot = self._slots.get(row.slot)
             if slot is None:
                 if row.start:
@@ -401,6 +401,8 @@ class BlockStore:
         serial fallback keeps its own caches (the store then only keeps the books, for admission)."""
         self.keys.clear()
         self.values.clear()
+        self.resident_bytes = 0
+        self._resident.set(0)
         self._slots.clear()
         self._refs = [0] * self.num_blocks
         self._hash = [None] * self.num_blocks
@@ -418,6 +420,8 @@ class BlockStore:
             shape = (like.shape[1], self.num_blocks * self.block_tokens, like.shape[3])
             self.keys[index] = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.values[index] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.resident_bytes += 2 * self.keys[index].numel() * self.keys[index].element_size()
+            self._resident.set(self.resident_bytes)
         return self.keys[index], self.values[index]
 
     # --- accounting -----------------------------------------------------------------------------
@@ -441,5 +445,4 @@ class BlockStore:
         self._blocks_gauges["used"].set(used)
         self._blocks_gauges["cached"].set(cached)
         self._blocks_gauges["free"].set(self.num_blocks - 1 - used - cached)
-        self._resident.set(sum(t.numel() * t.element_size() for t in [*self.keys.values(), *self.values.values()]))
         self._tokens_gauge.set(self.tokens_held)

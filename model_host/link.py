@@ -43,6 +43,7 @@ class SlotLease:
 
     @property
     def length(self) -> int:
+        """Read on the event loop, between the session's steps: only its own step changes its slot."""
         return 0 if self.released else self.engine.store.length(self.slot)
 
     def release(self) -> None:

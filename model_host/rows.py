@@ -18,10 +18,9 @@ class Row:
     parents: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.parents and (
-            len(self.parents) != len(self.token_ids) or any(not -1 <= p < i for i, p in enumerate(self.parents))
-        ):
-            raise ValueError("a tree row's parents must name an earlier token of the row, or -1, for each token")
+        error = tree_error(self.parents, len(self.token_ids), self.start)
+        if error:
+            raise ValueError(error)
 
     def depths(self) -> list[int]:
         """Each token's depth below the cached prefix (0: a child of its last token)."""
@@ -31,3 +30,15 @@ class Row:
         for parent in self.parents:
             depths.append(depths[parent] + 1 if parent >= 0 else 0)
         return depths
+
+
+def tree_error(parents: tuple[int, ...], count: int, start: int) -> str | None:
+    """What is wrong with a tree of `count` tokens fed after `start` cached ones (None: nothing, or
+    no tree): each token's parent must be an earlier token or -1, and a tree grows from a prefix."""
+    if not parents:
+        return None
+    if len(parents) != count or any(not -1 <= parent < index for index, parent in enumerate(parents)):
+        return "a tree row's parents must name an earlier token of the row, or -1, for each token"
+    if not start:
+        return "a tree row grows from a cached prefix: its step must start past token 0"
+    return None

@@ -327,3 +327,34 @@ def test_kept_buffers_survive_gaps_between_steps_and_go_after_the_last_session()
         assert wait_until(lambda: forward.released == [slot] and forward.idles >= 1, timeout_s=5)
     finally:
         engine.stop()
+
+
+def test_a_slot_released_twice_is_given_back_once():
+    """A fork's branch that its owner releases and a resolve also ends: two sessions must never be
+    leased the same slot."""
+    from model_host.slots import SlotAllocator
+
+    slots = SlotAllocator()
+    first, second = slots.lease(), slots.lease()
+    slots.release(first)
+    slots.release(first)
+    assert slots.recycle() == [first] and slots.leased() == 1
+    assert {slots.lease(), slots.lease()} == {first, second + 1}
+
+
+def test_a_malformed_tree_step_fails_alone_and_the_forward_runs_the_others():
+    forward = FakeForward(delay_s=0.05)
+    engine = _engine(forward)
+    try:
+        with engine._wake:  # one iteration enters all three
+            good = engine.submit(Countdown(slot=0, start=0, pending=[1, 2, 3], num_logits=1))
+            looping = engine.submit(Countdown(slot=1, start=4, pending=[1, 2], num_logits=2, parents=(1, -1)))
+            rootless = engine.submit(Countdown(slot=2, start=0, pending=[1, 2], num_logits=2, parents=(-1, 0)))
+        assert good.result(5).start == 3
+        for step, words in ((looping, "earlier token"), (rootless, "cached prefix")):
+            with pytest.raises(ServiceError) as error:
+                step.result(5)
+            assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in error.value.message
+        assert all(row.slot == 0 for batch in forward.batches for row in batch)
+    finally:
+        engine.stop()

@@ -242,10 +242,19 @@ def test_the_engine_forks_and_resolves_in_order_with_the_steps():
         assert wait_until(lambda: store.used_blocks == 0 and store.reserved_blocks == 0)
     finally:
         engine.stop()
-    serial = Engine(SerialForward(target, _store()), EngineLimits(), "test")
+    serial = Engine(SerialForward(target, _store()), EngineLimits(batch_hold_fraction=0.0), "test")
     with pytest.raises(ServiceError) as error:
         serial.fork(0, 2)
     assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT and "chains only" in error.value.message
+    serial.start()
+    try:  # a tree step fails alone, at its entry: the fallback's forward never sees it
+        serial.submit(Job(0, 0, [3, 1, 4], 1)).result(10)
+        with pytest.raises(ServiceError) as error:
+            serial.submit(Job(0, 3, [1, 5], 2, parents=(-1, 0))).result(10)
+        assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT and "chains only" in error.value.message
+        assert serial.submit(Job(0, 3, [1], 1)).result(10).start == 4
+    finally:
+        serial.stop()
 
 
 def test_a_dropped_branchs_next_step_fails_and_a_resolve_to_it_empties_the_session():
