@@ -1,0 +1,214 @@
+"""`python -m bench.host_cpu` (`make host-bench`): the hosts' CPU per generated token, every process.
+
+    python -m bench.host_cpu [--streams 1,8,64] [--rounds 3] [--against REV] [--orchestrator-args "..."]
+
+CPU REGIME, NEAR-NULL PAIR. The near-null pair (bench/null_pair.py: one layer of width 32, the same
+weights as target and draft) makes a forward cost about what a GPU's decode step costs relative to the
+hosts' own work, so what this bench reads is the serving stack's CPU: per process (target, draft,
+orchestrator, and the client, a lean grpc.aio client in a process of its own), CPU microseconds per
+generated token from /proc over the run, and the target's figure without its forwards (the engine's
+forward seconds from its metrics; one torch thread, so a forward's wall is its CPU).
+
+Each stream sends 3 requests of 64 tokens back to back (token-id prompts, `ignore_eos`, greedy). Cells:
+the target alone (K = 0) and fixed K = 4 with the identical draft, at each stream count.
+
+`--against REV` runs another revision's services and orchestrator beside this tree's (a git worktree,
+as bench.compare makes one), and the cells alternate between the trees round by round; the table then
+gives both trees' medians and the median of the paired ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from bench.compare import worktree
+from bench.load import _process_cpu, metric_totals
+from bench.null_pair import build_null_pair
+from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from tools.local_stack import LocalStack
+
+THIS, OTHER = "this", "other"
+CELLS = {"K = 0": 0, "fixed K = 4": 4}
+REQUESTS_PER_STREAM = 3
+PROMPT = list(range(100, 132))  # 32 token ids
+
+
+async def _drive(address: str, streams: int, k: int, max_new_tokens: int) -> dict[str, float]:
+    """`streams` clients, each sending its requests back to back; tokens and seconds."""
+    tokens = 0
+
+    async def client(stub: orchestrator_pb2_grpc.OrchestratorStub, index: int) -> None:
+        nonlocal tokens
+        for n in range(REQUESTS_PER_STREAM):
+            request = orchestrator_pb2.GenerateRequest(
+                token_ids=orchestrator_pb2.TokenIds(ids=[*PROMPT, index % 1000, n]),
+                max_new_tokens=max_new_tokens,
+                num_speculative_tokens=k,
+                ignore_eos=True,
+            )
+            async for message in stub.Generate(request):
+                tokens += len(message.token_ids)
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        await client(stub, 999)  # warm: the first request's allocations are not measured
+        tokens = 0
+        cpu, started = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(client(stub, i) for i in range(streams)))
+        return {"tokens": tokens, "seconds": time.perf_counter() - started, "cpu": time.process_time() - cpu}
+
+
+def _cell(stack: LocalStack, streams: int, k: int, max_new_tokens: int) -> dict[str, Any]:
+    """One run: tokens per second and CPU microseconds per token by process."""
+
+    def usage() -> dict[str, float]:
+        cpu = {name: _process_cpu(pid) for name, pid in stack.pids.items()}
+        forwards = metric_totals(stack.metrics_ports["target"], "specdec:engine_forward_seconds_sum")
+        return {**cpu, "target forwards": forwards.get("target", 0.0)}
+
+    before = usage()
+    client = subprocess.run(
+        [sys.executable, "-m", "bench.host_cpu", "--drive", stack.orchestrator_address, "--streams", str(streams),
+         "--k", str(k), "--max-new-tokens", str(max_new_tokens)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if client.returncode:
+        raise SystemExit(f"the client failed:\n{client.stderr[-3000:]}")
+    driven = json.loads(client.stdout.strip().splitlines()[-1])
+    after = usage()
+    tokens = max(1, driven["tokens"])
+    # The client's warm-up request falls inside the services' window: counted out by its share.
+    share = tokens / (tokens + max_new_tokens)
+    used = {name: share * (after[name] - before[name]) for name in after}
+    per_token = {name: 1e6 * seconds / tokens for name, seconds in used.items() if name != "target forwards"}
+    per_token["client"] = 1e6 * driven["cpu"] / tokens
+    per_token["target outside forwards"] = 1e6 * (used["target"] - used["target forwards"]) / tokens
+    return {"tokens_per_second": driven["tokens"] / driven["seconds"], "us_per_token": per_token}
+
+
+PROCESSES = ["orchestrator", "target", "target outside forwards", "draft", "client"]
+
+
+def _ratio(result: dict[str, Any], process: str) -> float:
+    """The other tree's CPU per token over this tree's (above 1: this tree spends less)."""
+    this, other = (result[tree]["us_per_token"].get(process, 0.0) for tree in (THIS, OTHER))
+    return other / this if this > 0 else float("nan")
+
+
+def table(results: list[dict[str, Any]], trees: Sequence[str]) -> str:
+    lines = [
+        "CPU regime, near-null pair, --threads 1 per service: medians over rounds; CPU µs per generated token",
+        "",
+        "| streams | cell | tree | tok/s | " + " | ".join(PROCESSES) + " |",
+        "|---|---|---|---|" + "---|" * len(PROCESSES),
+    ]
+    cells: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for result in results:
+        cells.setdefault((result["streams"], result["cell"]), []).append(result)
+    for (streams, cell), group in cells.items():
+        medians = {}
+        for tree in trees:
+            runs = [r[tree] for r in group]
+            medians[tree] = {
+                "tok/s": statistics.median(r["tokens_per_second"] for r in runs),
+                **{p: statistics.median(r["us_per_token"].get(p, 0.0) for r in runs) for p in PROCESSES},
+            }
+            row = medians[tree]
+            lines.append(
+                f"| {streams} | {cell} | {tree} | {row['tok/s']:,.0f} | "
+                + " | ".join(f"{row[p]:,.0f}" for p in PROCESSES)
+                + " |"
+            )
+        if len(trees) == 2:
+            ratios = {p: statistics.median(_ratio(r, p) for r in group) for p in PROCESSES}
+            speed = statistics.median(r[THIS]["tokens_per_second"] / r[OTHER]["tokens_per_second"] for r in group)
+            lines.append(
+                f"| {streams} | {cell} | other / this (paired) | {speed:.2f}x | "
+                + " | ".join(f"{ratios[p]:.2f}x" for p in PROCESSES)
+                + " |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench.host_cpu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--streams", default="1,8,64")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--cells", default=",".join(CELLS), help=f"of {', '.join(CELLS)}")
+    parser.add_argument("--against", default="", help="a git revision whose stack runs beside this tree's")
+    parser.add_argument("--orchestrator-args", default="", help="more flags for this tree's orchestrator")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--drive", default="", help=argparse.SUPPRESS)  # the client process
+    parser.add_argument("--k", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.drive:
+        print(json.dumps(asyncio.run(_drive(args.drive, int(args.streams), args.k, args.max_new_tokens))))
+        return 0
+    cells = [name.strip() for name in args.cells.split(",") if name.strip()]
+    unknown = [name for name in cells if name not in CELLS]
+    if unknown:
+        parser.error(f"--cells: unknown {unknown}; choose from {list(CELLS)}")
+    streams = [int(s) for s in args.streams.split(",") if s]
+    repo = Path(__file__).resolve().parent.parent
+    pair = build_null_pair(args.out / "null_pair").resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="specdec-host-") as scratch:
+        trees = {THIS: repo}
+        if args.against:
+            trees[OTHER] = Path(scratch) / "tree"
+            worktree(repo, args.against, trees[OTHER])
+        try:
+            stacks = {
+                tree: LocalStack(
+                    str(pair / "target"), str(pair / "draft"), extra_service_args=["--threads", "1"],
+                    extra_orchestrator_args=shlex.split(args.orchestrator_args) if tree == THIS else [],
+                    with_metrics=True, log_dir=args.out / "host-logs" / tree, cwd=cwd,
+                )
+                for tree, cwd in trees.items()
+            }  # fmt: skip
+            with contextlib.ExitStack() as entered:
+                for stack in stacks.values():
+                    entered.enter_context(stack)
+                for rep in range(args.rounds):
+                    for count in streams:
+                        for cell in cells:
+                            order = list(trees) if len(results) % 2 == 0 else list(reversed(trees))
+                            runs = {
+                                tree: _cell(stacks[tree], count, CELLS[cell], args.max_new_tokens) for tree in order
+                            }
+                            results.append({"round": rep, "streams": count, "cell": cell, **runs})
+                    print(f"round {rep + 1} of {args.rounds} done", flush=True)
+        finally:
+            if args.against:
+                subprocess.run(
+                    ["git", "-C", str(repo), "worktree", "remove", "--force", str(trees[OTHER])], check=False
+                )
+    print(table(results, list(trees)))
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    path = args.out / f"host-cpu-{stamp}.json"
+    path.write_text(json.dumps({"meta": {"date": stamp, **{k: str(v) for k, v in vars(args).items()}},
+                                "results": results}, indent=1))  # fmt: skip
+    print(f"\nresults: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
