@@ -19,14 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from orchestrator import metrics
 from orchestrator.admission import Admission
 from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import (
-    DraftAvailability,
-    DraftStream,
-    Generation,
-    GenerationRequest,
-    ModelLimits,
-    TargetStream,
-)
+from orchestrator.generation import DraftStream, Generation, GenerationRequest, ModelLimits, TargetStream
 from orchestrator.goodput import StepTimes, make_policy
 from orchestrator.link import LinkMessages
 from orchestrator.outbox import Outbox
@@ -34,7 +27,7 @@ from orchestrator.proposals import MODEL, NGRAM, Stats
 from orchestrator.routing import route_for
 from orchestrator.sampler import BatchSampler
 from orchestrator.text import TextStream, byte_table
-from orchestrator.upstream import Dial, ReplicaPool, SessionStream
+from orchestrator.upstream import Dial, DraftAvailability, ReplicaPool, SessionStream
 from serving.constraints import ConstraintSpec, Grammars, TokenBan
 from serving.errors import ServiceError, failed_precondition, invalid_argument
 from serving.logits import MAX_TOP_LOGPROBS

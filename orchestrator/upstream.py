@@ -15,7 +15,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, overload
 
 import grpc
 import structlog
@@ -24,6 +24,7 @@ from orchestrator.link import Link, LinkLost, LinkMessages, result_failure
 from orchestrator.routing import PrefixIndex, Route, preferred
 from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError, unavailable
 from serving.server import CHANNEL_OPTIONS
+from serving.tensors import WireFormatError
 from specdec.v1 import common_pb2
 
 log = structlog.get_logger(__name__)
@@ -38,6 +39,41 @@ _RETRYABLE = {
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.DEADLINE_EXCEEDED,
 }
+
+
+class DraftAvailability:
+    """Shared by all requests: after a fault of the draft service itself (unreachable, too slow, a lost
+    stream, rows that are not distributions), nobody drafts until `retry_after_s` has passed. A
+    request's own errors never get here (the isolation rule: see `is_draft_fault`)."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        self.retry_after_s = retry_after_s
+        self._down_until = 0.0
+
+    @property
+    def usable(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def failed(self) -> None:
+        self._down_until = time.monotonic() + self.retry_after_s
+
+
+# Statuses from the draft that say the draft service itself is at fault. Everything else
+# (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION, ...) concerns this request or this moment.
+_DRAFT_FAULTS = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.DATA_LOSS,
+}
+
+
+def is_draft_fault(exc: BaseException) -> bool:
+    """Whether a failed draft step marks the draft unavailable for every request."""
+    if isinstance(exc, ServiceError):
+        return exc.code in _DRAFT_FAULTS
+    return isinstance(exc, TimeoutError | WireFormatError)
 
 
 @dataclass
@@ -193,22 +229,38 @@ class SessionMessage(Protocol):
 RequestT = TypeVar("RequestT", bound=SessionMessage)
 ResponseT = TypeVar("ResponseT", bound=SessionMessage)
 
-_TAIL = 64  # where a new context usually departs from what the replica holds: within its last tokens
 
+class Context(Sequence[int]):
+    """The tokens a step needs fed: the first `base_len` of a generation's sequence, which only ever
+    grows (so that prefix never changes), then `extra` (a block under verification). A step reads only
+    what it appends; nothing copies the sequence."""
 
-def reusable_prefix(held: Sequence[int], context: Sequence[int], min_append: int) -> int:
-    """How many tokens of `held` (what a replica's cache holds) the next step can keep: their common
-    prefix with `context` (the tokens the step needs fed), leaving at least `min_append` to feed."""
-    most = min(len(held), len(context) - min_append)
-    if most <= 0:
-        return 0
-    start = max(0, most - _TAIL)
-    if held[:start] != context[:start]:  # rare (a new session): scan from the beginning
-        start = 0
-    for index in range(start, most):
-        if held[index] != context[index]:
-            return index
-    return most
+    __slots__ = ("base", "base_len", "extra")
+
+    def __init__(self, base: list[int], extra: Sequence[int] = ()) -> None:
+        self.base = base
+        self.base_len = len(base)
+        self.extra = list(extra)
+
+    def __len__(self) -> int:
+        return self.base_len + len(self.extra)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            start, stop, stride = index.indices(len(self))
+            if stride != 1:
+                raise ValueError("a context is sliced with a step of 1")
+            head = self.base[start : min(stop, self.base_len)] if start < self.base_len else []
+            return head + self.extra[max(start - self.base_len, 0) : max(stop - self.base_len, 0)]
+        if index < 0:
+            index += len(self)
+        return self.base[index] if index < self.base_len else self.extra[index - self.base_len]
 
 
 @dataclass
@@ -216,9 +268,11 @@ class SessionStream(Generic[RequestT, ResponseT]):
     """One session on one replica of a model service, carried by that replica's link, and reopened
     (on another replica when one is up) when lost.
 
-    The stream alone knows what the replica's cache holds (`held`): each step keeps the longest prefix
-    of it that the new context shares and feeds the rest, so rollback after a rejection, the draft's
-    never-fed last token and blocks drafted ahead need no bookkeeping of their own."""
+    The stream alone knows what the replica's cache holds: the first `_matched` tokens of the
+    generation's sequence, then `_tail` (a block's tokens, a draft's own). Each step keeps the longest
+    prefix of that the new context shares and feeds the rest, so rollback after a rejection, the draft's
+    never-fed last token and blocks drafted ahead need no bookkeeping of their own. The sequence only
+    grows, so a step compares the tail alone: its cost does not grow with the context."""
 
     pool: ReplicaPool
     request_id: str
@@ -226,7 +280,8 @@ class SessionStream(Generic[RequestT, ResponseT]):
     backoff_s: float = 0.25
     route: Route | None = None  # where the prompt's prefix is likely cached (None: least pinned)
     reused_tokens: int = 0  # tokens the replicas' prefix caches saved this session
-    held: list[int] = field(default_factory=list)  # the tokens the replica's cache holds, in order
+    _matched: int = 0  # the replica's cache holds the sequence's first _matched tokens, then _tail
+    _tail: list[int] = field(default_factory=list)
     reopens: int = 0  # times the session was reopened with the full sequence
     wire_bytes: int = 0  # this session's entries and results, on every link it used
     replica: Replica | None = None
@@ -236,7 +291,7 @@ class SessionStream(Generic[RequestT, ResponseT]):
 
     async def step(
         self,
-        context: Sequence[int],
+        context: Context,
         build: Callable[[int], RequestT],
         min_append: int = 1,
         fed_beyond: Callable[[ResponseT], Sequence[int]] | None = None,
@@ -253,7 +308,7 @@ class SessionStream(Generic[RequestT, ResponseT]):
             if self._link is None:
                 self._open()
             assert self._link is not None
-            keep = reusable_prefix(self.held, context, min_append)
+            keep = self._keep(context, min_append)
             request = build(keep)
             try:
                 result = await self._link.step(self._session, request)
@@ -275,17 +330,34 @@ class SessionStream(Generic[RequestT, ResponseT]):
             self.wire_bytes += request.ByteSize() + response.ByteSize()
             if response.result == common_pb2.SESSION_RESULT_CACHE_MISS:
                 log.info("cache_miss", service=self.pool.name, replica=self._address)
-                self.held = []
+                self._forget()
                 self.reopens += 1
                 continue
             self.reused_tokens += response.timing.reused_tokens
-            fed = [*context, *(fed_beyond(response) if fed_beyond else ())]
-            self.held = fed[: response.cached_tokens]
+            cached, base = response.cached_tokens, context.base_len
+            self._matched = min(cached, base)
+            self._tail = [*context.extra, *(fed_beyond(response) if fed_beyond else ())][: max(cached - base, 0)]
             return Stepped(response, len(context) - keep)
         raise unavailable(
             f"{self.pool.name} service unavailable after {self.attempts} tries ({last_error}); "
             f"check that the {self.pool.name} replicas are running"
         )
+
+    def _keep(self, context: Context, min_append: int) -> int:
+        """How much of what the replica holds the step keeps: its common prefix with `context`, leaving
+        at least `min_append` tokens to feed."""
+        most = len(context) - min_append
+        keep, tail = min(self._matched, context.base_len, most), self._tail
+        if keep < self._matched:
+            return max(keep, 0)
+        for token in tail:
+            if keep >= most or token != context[keep]:
+                break
+            keep += 1
+        return max(keep, 0)
+
+    def _forget(self) -> None:
+        self._matched, self._tail = 0, []
 
     @property
     def where(self) -> Place:
@@ -319,9 +391,9 @@ class SessionStream(Generic[RequestT, ResponseT]):
         self.replica.active += 1
         self._link = self.replica.live_link(self.pool.messages, self.pool.step_timeout_s)
         self._session = self._link.new_session()
-        if self.held or previous is not None:
+        if self._matched or self._tail or previous is not None:
             self.reopens += 1
-        self.held = []
+        self._forget()
 
     def _drop(self, failed: bool) -> None:
         """Unpin from the replica (kept in self.replica so a reopen can avoid it)."""
@@ -336,7 +408,7 @@ class SessionStream(Generic[RequestT, ResponseT]):
     def reset(self) -> None:
         """Drop the session after a failure; the next step opens a new one with the full sequence."""
         self._drop(failed=True)
-        self.held = []
+        self._forget()
 
     def close(self) -> None:
         """End the session (safe inside a cancelled task); the service frees its cache at once."""

@@ -24,9 +24,9 @@ import torch
 from scipy import stats
 
 from draft_service.servicer import choose_token
-from orchestrator.generation import DraftAvailability, Generation, GenerationRequest, ModelLimits
+from orchestrator.generation import Generation, GenerationRequest, ModelLimits
 from orchestrator.k_policy import FixedK
-from orchestrator.upstream import Place, Stepped, reusable_prefix
+from orchestrator.upstream import DraftAvailability, Place, Stepped
 from serving.logits import logits_to_probs, rows_to_wire
 from serving.sampling import SamplingParams, seeded_generator
 from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2, target_pb2
@@ -72,6 +72,14 @@ class LogitsTable(dict[tuple[int, ...], torch.Tensor]):
         return row
 
 
+def _common_prefix(held: list[int], context: list[int], min_append: int) -> int:
+    """What a session holding `held` keeps of `context`, feeding at least `min_append` tokens."""
+    keep = 0
+    while keep < min(len(held), len(context) - min_append) and held[keep] == context[keep]:
+        keep += 1
+    return keep
+
+
 class TableTarget:
     """A target session answering from exact logits, through the target's own row processing."""
 
@@ -82,7 +90,7 @@ class TableTarget:
 
     def _request(self, context: list[int], build: Callable[[int], Any], min_append: int) -> Any:
         """The request as SessionStream builds it; the tokens it leaves the session with must be `context`."""
-        keep = reusable_prefix(self.seen, context, min_append)
+        keep = _common_prefix(self.seen, list(context), min_append)
         request = build(keep)
         assert self.seen[: request.keep] + list(request.append_token_ids) == list(context)
         self.last_fed = len(context) - keep

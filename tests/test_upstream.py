@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from orchestrator.link import LinkMessages
-from orchestrator.upstream import ReplicaPool, SessionStream
+from orchestrator.upstream import Context, ReplicaPool, SessionStream
 from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError
 from specdec.v1 import common_pb2, target_pb2
 
@@ -79,7 +79,7 @@ def _step(errors: list, backoff_s: float = 0.0) -> tuple[Stream, list[_Call], in
         await pool.start()
         stream: Stream = SessionStream(pool, request_id="r1", attempts=2, backoff_s=backoff_s)
         try:
-            stepped = await stream.step([1, 2], lambda keep: target_pb2.VerifyRequest(keep=keep))
+            stepped = await stream.step(Context([1, 2]), lambda keep: target_pb2.VerifyRequest(keep=keep))
             for call in opened:
                 call.cancelled_before_close = call.cancelled
         finally:
@@ -128,7 +128,7 @@ def test_a_step_a_replica_never_answers_times_out():
         started = time.monotonic()
         try:
             with pytest.raises(TimeoutError):
-                await stream.step([1, 2], lambda keep: target_pb2.VerifyRequest(keep=keep))
+                await stream.step(Context([1, 2]), lambda keep: target_pb2.VerifyRequest(keep=keep))
         finally:
             await pool.close()
         return time.monotonic() - started
@@ -148,14 +148,20 @@ def test_a_retried_step_counts_the_whole_context_as_fed():
         await pool.start()
         stream: Stream = SessionStream(pool, request_id="r1", attempts=2, backoff_s=0.01)
 
-        async def step(context: list[int]) -> int:
+        sequence = [1, 2, 3]
+
+        async def step() -> int:
+            context = Context(sequence)
             build = lambda keep: target_pb2.VerifyRequest(keep=keep, append_token_ids=context[keep:])  # noqa: E731
             return (await stream.step(context, build)).fed
 
         try:
-            fed = [await step([1, 2, 3]), await step([1, 2, 3, 4])]
+            fed = [await step()]
+            sequence.append(4)
+            fed.append(await step())
             calls[0].error = _error(grpc.StatusCode.UNAVAILABLE, "Socket closed")
-            fed.append(await step([1, 2, 3, 4, 5]))
+            sequence.append(5)
+            fed.append(await step())
         finally:
             await pool.close()
         return fed
@@ -178,21 +184,34 @@ def test_a_handler_error_is_reported_not_retried(code, details, where):
 
 
 @pytest.mark.parametrize(
-    ("held", "context", "min_append", "keep"),
+    ("matched", "tail", "sequence", "extra", "min_append", "keep"),
     [
-        ([], [1, 2, 3], 1, 0),  # a new session: feed everything
-        ([1, 2, 3], [1, 2, 3, 4], 1, 3),  # the next token
-        ([1, 2, 3, 9, 9], [1, 2, 3, 4, 5], 1, 3),  # a rejected block rolls back
-        ([1, 2, 3], [1, 2, 3], 1, 2),  # at least one token is fed (a draft continues from it)
-        ([1, 2, 3, 4], [1, 2, 3, 4, 7, 8], 3, 3),  # a verify feeds its rows' tokens: the last committed too
-        ([5, 2, 3], [1, 2, 3, 4], 1, 0),  # nothing shared
-        (list(range(500)), [*range(100), 7, *range(101, 400)], 1, 100),  # a difference far from the end
+        (0, [], [1, 2, 3], [], 1, 0),  # a new session: feed everything
+        (3, [], [1, 2, 3, 4], [], 1, 3),  # the next token
+        (3, [9, 9], [1, 2, 3, 4, 5], [], 1, 3),  # a rejected block rolls back
+        (3, [4, 9], [1, 2, 3, 4, 5], [], 1, 4),  # a block accepted in part
+        (3, [4, 5], [1, 2, 3, 4, 5, 6], [], 1, 5),  # a block accepted in full
+        (3, [], [1, 2, 3], [], 1, 2),  # at least one token is fed (a draft continues from it)
+        (4, [], [1, 2, 3, 4], [7, 8], 3, 3),  # a verify feeds its rows' tokens: the last committed too
+        (3, [4, 7], [1, 2, 3, 4], [7, 8], 1, 5),  # a block drafted ahead, verified with its own tokens
     ],
 )
-def test_reusable_prefix(held, context, min_append, keep):
-    from orchestrator.upstream import reusable_prefix
+def test_a_step_keeps_what_the_replica_holds_of_its_context(matched, tail, sequence, extra, min_append, keep):
+    """The replica holds the sequence's first `matched` tokens, then `tail`; the sequence has grown
+    since. A step keeps their common prefix with the context, comparing the tail alone."""
+    stream: Stream = SessionStream(pool=None, request_id="r1")  # type: ignore[arg-type]
+    stream._matched, stream._tail = matched, tail
+    assert stream._keep(Context(sequence, extra), min_append) == keep
 
-    assert reusable_prefix(held, context, min_append) == keep
+
+def test_a_context_reads_the_sequence_it_was_made_from():
+    """A context is the sequence as it was plus its extra tokens, whatever is appended afterwards."""
+    sequence = [1, 2, 3]
+    context = Context(sequence, [8, 9])
+    sequence.extend([4, 5])
+    assert list(context) == [1, 2, 3, 8, 9] and len(context) == 5
+    assert context[1:] == [2, 3, 8, 9] and context[3:] == [8, 9] and context[4] == 9 and context[-1] == 9
+    assert context[2:4] == [3, 8] and context[5:] == []
 
 
 def test_a_links_message_is_split_before_the_size_budget(monkeypatch):

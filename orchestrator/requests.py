@@ -1,0 +1,112 @@
+"""A generation's request and limits, and the messages its steps send to the model services."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.proposals import MODEL
+from orchestrator.upstream import Context
+from serving.constraints import ConstraintSpec, TokenBan
+from serving.sampling import SamplingParams
+from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+_U64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated Generate request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    seed: int
+    num_speculative_tokens: int  # K to start with; 0 is the target alone
+    overlap_drafting: bool
+    min_confidence: float
+    draft_method: str = MODEL  # MODEL, NGRAM, or "hybrid" (the lookup when it matches, else the model)
+    ngram_min: int = 2
+    ngram_max: int = 4
+    cache_salt: bytes = b""  # sent on each session's first step (keep = 0)
+    constraint: ConstraintSpec | None = None  # structured output, sent on each session's first step
+    # The constraint compiled (an llguidance matcher in its initial state): the orchestrator's own copy
+    # checks every committed token.
+    constraint_template: Any = field(default=None, compare=False, repr=False)
+    ignore_eos: bool = False  # EOS tokens are ordinary tokens: no end there
+    stop_token_ids: frozenset[int] = frozenset()  # generation ends after any of these (finish STOP)
+    ban: TokenBan | None = None  # min_tokens: EOS and stop tokens masked below a sequence length
+    logprobs: bool = False  # the target's logprob of each generated token
+    top_logprobs: int = 0  # alternatives per generated token
+    prompt_logprobs: int | None = None  # the prompt's logprobs with this many alternatives; None: none
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the pair allows, from the services' ModelInfo."""
+
+    vocab_size: int
+    target_max_context: int
+    draft_max_context: int
+    eos_token_ids: frozenset[int]
+    draft_max_speculative_tokens: int = 16  # the draft service's cap on one step's K
+    draft_vocab_size: int = 0  # the draft's row width (0: the target's); a padded pair's may differ
+    draft_constrains: bool = False  # the draft applies structured outputs (ModelInfo.structured_output_kinds)
+
+
+class StepFields:
+    """What one request's steps carry besides their tokens: built once, read every round."""
+
+    def __init__(self, request: GenerationRequest, limits: ModelLimits, constraint_fields: dict[str, Any]) -> None:
+        self.request = request
+        self.limits = limits
+        self.sampling = request.sampling.to_proto()  # the same for every round
+        self.constraint = constraint_fields  # sent on a session's first step (keep = 0)
+
+    def draft(self, context: Context, keep: int, k: int) -> draft_pb2.DraftRequest:
+        request, limits, n = self.request, self.limits, len(context)
+        return draft_pb2.DraftRequest(
+            request_id=request.request_id,
+            keep=keep,
+            append_token_ids=context[keep:],
+            num_speculative_tokens=k,
+            sampling=self.sampling,
+            # Seeded by position, so a block drafted again after a lost session is the same block.
+            seed=(request.seed * _SEED_MIX + n) & _U64,
+            min_confidence=request.min_confidence,
+            cache_salt=request.cache_salt if keep == 0 else b"",
+            **(self.constraint if keep == 0 and limits.draft_constrains else {}),
+            **self.ban(n, limits.draft_vocab_size or limits.vocab_size),
+            # A draft wider than the target (a padded pair) proposes over the target's width alone.
+            vocab_limit=limits.vocab_size if limits.draft_vocab_size > limits.vocab_size else 0,
+        )
+
+    def ban(self, first_position: int, width: int) -> dict[str, Any]:
+        """min_tokens' ban for a step whose first row scores `first_position`, while it still applies
+        (ids past a narrower draft's width are left out: it cannot propose them anyway)."""
+        ban = self.request.ban
+        if ban is None or first_position >= ban.until:
+            return {}
+        return {"ban": common_pb2.TokenBan(token_ids=[t for t in ban.token_ids if t < width], until=ban.until)}
+
+    def logprobs(self, keep: int, prompt_pending: bool) -> dict[str, Any]:
+        """What a verify step asks for the request's logprobs: the committed tokens', and on the first
+        step (until answered: `prompt_pending`) the prompt's, with the larger count of alternatives."""
+        request, fields = self.request, {}
+        if request.logprobs:
+            fields = {"logprobs": True, "top_logprobs": request.top_logprobs}
+        if keep == 0 and request.prompt_logprobs is not None and prompt_pending:
+            fields["prompt_logprobs"] = True
+            fields["top_logprobs"] = max(request.top_logprobs if request.logprobs else 0, request.prompt_logprobs)
+        return fields
+
+
+def finish_of(token: int, limits: ModelLimits, request: GenerationRequest) -> int:
+    """The finish reason a committed token gives (UNSPECIFIED: the generation goes on)."""
+    if token in limits.eos_token_ids and not request.ignore_eos:
+        return orchestrator_pb2.FINISH_REASON_EOS
+    if token in request.stop_token_ids:
+        return orchestrator_pb2.FINISH_REASON_STOP
+    return orchestrator_pb2.FINISH_REASON_UNSPECIFIED

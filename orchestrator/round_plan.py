@@ -1,0 +1,155 @@
+"""What a round will do, decided before it runs: `plan_round` is a function of plain values (and the
+K policies, each asked once).
+
+A round proposes one block, from the first of:
+- the tokens a structured output forces next (a key, punctuation): a point mass, no draft step;
+- the prompt lookup's continuation (the ngram and hybrid methods): a point mass, no draft step;
+- the draft model: K tokens, drafted now or taken from a block drafted beside the last step.
+
+Beside the target's step the draft may work (`RoundPlan.side_k` and `side_k_for`): the next block as
+if this one were all accepted (its first token guesses the bonus token); in the first round, the
+same beside the target's prefill; at K = 0, a probe (one token for the position the step decides, for
+the policy to learn from at no cost to the round's time).
+
+Every K is capped by one function, `cap`, so that no round overshoots max_new_tokens, a context, or
+the draft's own bound on a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from orchestrator.k_policy import KPolicy
+from orchestrator.proposals import FORCED, MODEL, NGRAM, NO_DRAFT, Draft
+
+
+@dataclass(frozen=True)
+class RoundLimits:
+    """What bounds every round of one request: the request's and the pair's limits."""
+
+    max_new_tokens: int
+    target_max_context: int
+    draft_max_context: int
+    draft_max_speculative_tokens: int  # the draft service's cap on one step's tokens
+    eos_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
+class RoundState:
+    """A request before a round, as plain values."""
+
+    produced: int  # tokens generated so far
+    length: int  # the sequence's length (prompt included)
+    request_k: int  # the request's K (0: the target alone, which no block changes)
+    greedy: bool
+    drafting: bool  # the draft model may be asked (there is one, it is up, and it took this request's steps)
+    overlap: bool  # the request drafts the next block beside each step
+    constrained: bool  # a structured output checks every token
+    forced: Sequence[int] = ()  # the tokens a structured output forces next
+    lookup: Sequence[int] | None = None  # the prompt lookup's continuation (None: no lookup)
+    probe_pending: bool = False  # a probe beside the last step has not been scored yet
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """One round, decided: the block (None: the draft model's, `k` tokens, drafted now or taken from
+    the block drafted ahead), what the draft does beside the step, and what the policies learn."""
+
+    state: RoundState  # what it was planned from
+    block: Draft | None
+    k: int = 0
+    next_k: int = 0  # the policy's K for the next round, for the block drafted ahead beside this one
+    side_k: int = 0  # tokens drafted beside the step, known before the block (prefill or probe)
+    probe: bool = False  # side_k is a probe's one token, at K = 0
+    beside_prefill: bool = False  # side_k is the block drafted beside the target's prefill
+    lookup_idle: bool = False  # the lookup's policy chose K = 0: the round counts for its probes
+
+    @property
+    def scored(self) -> bool:
+        """The side step's first token guesses the token the step decides, and is scored as a probe."""
+        return self.probe or self.beside_prefill
+
+
+def cap(k: int, produced: int, length: int, limits: RoundLimits, drafted: bool, guess: int = 0) -> int:
+    """K for a block that starts after `produced` generated tokens and `length` in context: a round
+    commits at most K + 1 tokens. A drafted block (`drafted`) also fits the draft's context and its
+    bound on a step, which drafts `guess` tokens before the block (the guess of the bonus token)."""
+    bounds = [k, limits.max_new_tokens - produced - 1, limits.target_max_context - length - 1]
+    if drafted:
+        bounds += [limits.draft_max_speculative_tokens - guess, limits.draft_max_context - length]
+    return max(0, min(bounds))
+
+
+def _point_masses(token_ids: Sequence[int], proposer: str, greedy: bool) -> Draft:
+    """A deterministic block: q(x) = 1 for each token (None when greedy)."""
+    return Draft(list(token_ids), None if greedy else [1.0] * len(token_ids), proposer=proposer)
+
+
+def plan_round(state: RoundState, policy: KPolicy, lookup_policy: KPolicy | None, limits: RoundLimits) -> RoundPlan:
+    """The round's block and the draft's work beside it (see the module's docstring)."""
+    produced, length = state.produced, state.length
+    if state.forced and state.request_k:
+        k = cap(state.request_k, produced, length, limits, drafted=False)
+        if k:
+            return RoundPlan(state, _point_masses(state.forced[:k], FORCED, state.greedy))
+    lookup_idle = False
+    if state.lookup is not None and lookup_policy is not None:
+        k = cap(lookup_policy.next_k(), produced, length, limits, drafted=False)
+        if k and state.lookup:
+            return RoundPlan(state, _point_masses(state.lookup[:k], NGRAM, state.greedy))
+        lookup_idle = k == 0
+    if not state.drafting:
+        return RoundPlan(state, NO_DRAFT, lookup_idle=lookup_idle)
+    next_k = policy.next_k()
+    k = cap(next_k, produced, length, limits, drafted=True)
+    if k and not produced and (state.overlap or policy.drafts_beside_prefill):
+        # The target prefills the prompt alone (K = 0) while the draft prefills it beside and drafts the
+        # next block, rather than first prefilling and drafting while the target waits: the first token
+        # comes when the target alone gives it (overlapped drafting's idea, for the prefill).
+        side_k = _ahead(k, produced, length, 0, limits)
+        if side_k:
+            return RoundPlan(state, NO_DRAFT, side_k=side_k, beside_prefill=True, lookup_idle=lookup_idle)
+    if k:
+        return RoundPlan(state, None, k=k, next_k=next_k, lookup_idle=lookup_idle)
+    room = cap(1, produced, length, limits, drafted=True)  # a probe drafts one token
+    probe = room > 0 and not state.probe_pending and policy.probe_due()
+    return RoundPlan(state, NO_DRAFT, side_k=int(probe), probe=probe, lookup_idle=lookup_idle)
+
+
+def side_k_for(plan: RoundPlan, block: Draft, limits: RoundLimits) -> int:
+    """Tokens the draft drafts beside the step that verifies `block`: the plan's (prefill, probe), or
+    for a model block with overlap the guess of the bonus token plus the next round's K; 0 when no
+    next round could use them."""
+    state = plan.state
+    if plan.side_k or not state.overlap or not block.token_ids or block.proposer != MODEL:
+        return plan.side_k
+    if state.constrained and any(t in limits.eos_token_ids for t in block.token_ids):
+        return 0  # a block that may end the generation: a constrained draft cannot feed past its EOS
+    return _ahead(plan.next_k, state.produced, state.length, len(block.token_ids), limits)
+
+
+def _ahead(next_k: int, produced: int, length: int, block: int, limits: RoundLimits) -> int:
+    """A guess at the step's last token plus `next_k`, for a step verifying `block` tokens (0 when the
+    next round could not use them)."""
+    after = block + 1  # if all accepted, plus the bonus token
+    k = cap(next_k, produced + after, length + after, limits, drafted=True, guess=1)
+    return k + 1 if k >= 1 else 0
+
+
+def still_valid(
+    ahead: Draft, output_token_ids: Sequence[int], all_accepted: bool, committed: Sequence[int]
+) -> Draft | None:
+    """The rest of a block drafted ahead when its first token guessed the step's last token, else None.
+
+    Its tokens were sampled from the draft given exactly the sequence now committed, so they are as
+    valid a proposal as a block drafted now; otherwise it is dropped (the draft's next step keeps only
+    what it shares with the sequence)."""
+    if (
+        len(ahead.token_ids) < 2
+        or not all_accepted
+        or len(committed) != len(output_token_ids)  # cut at EOS
+        or ahead.token_ids[0] != committed[-1]
+    ):
+        return None
+    return ahead.rest()
