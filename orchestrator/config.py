@@ -41,6 +41,7 @@ class OrchestratorConfig:
     route_load_slack: int = 2
     max_queued_requests: int = 1024
     max_queue_wait_s: float = 60.0
+    stream_interval: int = 1
     metrics_port: int = 0
     health_port: int = 0
     tls_cert: str = ""
@@ -85,6 +86,8 @@ _HELP: dict[str, str] = {
     "max_running_requests": "requests generating at once (0: the target replicas' session limits together)",
     "max_queued_requests": "requests waiting for a place beyond those (RESOURCE_EXHAUSTED beyond)",
     "max_queue_wait_s": "a queued request that waits longer gets RESOURCE_EXHAUSTED",
+    "stream_interval": "tokens a client stream gathers before a message goes out (at most about one round's wait; "
+    "the first token and the last message are never held): fewer, larger messages under load",
     "metrics_port": "Prometheus metrics port (0 disables)",
     "health_port": "a plaintext port serving gRPC health checks only, for probes that cannot speak TLS (0: none)",
     "tls_cert": "PEM certificate chain: serve TLS to clients (with --tls-key)",
@@ -114,4 +117,6 @@ def parse_orchestrator_config(argv: Sequence[str] | None = None) -> Orchestrator
         parser.error("--ngram-min and --ngram-max need 1 <= --ngram-min <= --ngram-max")
     if not 0 <= config.num_speculative_tokens <= config.max_speculative_tokens:
         parser.error("--num-speculative-tokens must be in [0, --max-speculative-tokens]")
+    if config.stream_interval < 1:
+        parser.error("--stream-interval must be at least 1 (1 sends each round's tokens at once)")
     return config

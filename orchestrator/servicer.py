@@ -496,7 +496,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         structlog.contextvars.bind_contextvars(request_id=generation_request.request_id)
         first = True
         deadline = time.monotonic() + self.config.request_timeout_s
-        outbox = Outbox()
+        outbox = Outbox(self.config.stream_interval, lambda: generation.round_seconds)
         producer = asyncio.create_task(self._produce(generation, text, outbox, deadline))
         try:
             while True:
