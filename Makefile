@@ -10,7 +10,7 @@ PAIR ?= default_models/pair
 PROMPT ?= def fibonacci(n):
 HOST ?= 127.0.0.1
 
-.PHONY: setup proto lint test test-long matrix run bench load-bench compare-bench link-bench prefix-bench gpu-bench sim-bench guidellm-bench soak wheel image python-base image-test models evaluate clean
+.PHONY: setup proto lint test test-long matrix run bench load-bench compare-bench host-bench link-bench prefix-bench gpu-bench sim-bench guidellm-bench soak wheel image python-base image-test models evaluate clean
 
 setup: $(INSTALLED) $(GENERATED)
 
@@ -75,6 +75,11 @@ load-bench: setup
 AGAINST ?= HEAD
 compare-bench: setup
 	$(PY) -m bench.compare --against $(AGAINST)
+
+# The hosts' CPU per generated token, every process (client included), on the near-null pair at 1, 8 and 64
+# streams; AGAINST=REV runs that revision's stack beside this tree's, cells alternating (bench/host_cpu.py).
+host-bench: setup
+	$(PY) -m bench.host_cpu $(if $(AGAINST),--against $(AGAINST),)
 
 # Sampled generation across rate-limited links (network namespaces, tbf; needs root), big-vocabulary pair.
 link-bench: setup

@@ -41,7 +41,7 @@ class OrchestratorConfig:
     route_load_slack: int = 2
     max_queued_requests: int = 1024
     max_queue_wait_s: float = 60.0
-    stream_interval: int = 1
+    stream_interval: int = 16
     metrics_port: int = 0
     health_port: int = 0
     tls_cert: str = ""

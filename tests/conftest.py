@@ -75,7 +75,8 @@ def orchestrators(
     """One orchestrator per draft, all over the same target, plus one with no draft."""
     started = {
         "close": OrchestratorThread(orchestrator_config(target_server, close_draft_server)),
-        "random": OrchestratorThread(orchestrator_config(target_server, random_draft_server)),
+        # Every client message at once (the default gathers up to 16 tokens, about one round's wait).
+        "random": OrchestratorThread(orchestrator_config(target_server, random_draft_server, stream_interval=1)),
         "none": OrchestratorThread(orchestrator_config(target_server)),
     }
     yield started

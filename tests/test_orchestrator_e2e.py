@@ -225,3 +225,14 @@ def test_command_line_services_and_client(tiny_pair, tmp_path):
     for service in ("target", "draft"):
         lines = [json.loads(x) for x in (tmp_path / f"{service}.log").read_text().splitlines() if "session_closed" in x]
         assert any(line["request_id"] == record["request_id"] for line in lines), service
+
+
+def test_a_stream_interval_changes_no_token_and_never_holds_the_first(orchestrators):
+    """The close draft's orchestrator gathers up to 16 tokens a message (the default), the random
+    draft's sends each round's at once: the same tokens either way, the first at once."""
+    request = _ids([5, 6, 7], max_new_tokens=40, num_speculative_tokens=2)
+    gathered = list(orchestrators["close"].stub.Generate(request))
+    each = list(orchestrators["random"].stub.Generate(request))
+    assert [t for m in gathered for t in m.token_ids] == [t for m in each for t in m.token_ids]
+    assert 1 <= len(gathered[0].token_ids) <= 3  # the first round's tokens: at most K + 1
+    assert gathered[-1].finish_reason and gathered[-1].stats.output_tokens == 40
