@@ -17,7 +17,10 @@ sessions sharing its forwards (the marginal goodput of TurboSpec and SmartSpec):
 - X = (N beta + N_d beta_d) r / R: each of the N other sessions that wait on a target forward (those
   in it and those queued behind it, measured) waits beta per extra row, each of the N_d that wait on
   a draft forward beta_d per drafted token, and each loses tokens at about this request's rate r per
-  second of its round R.
+  second of its round R. Where the draft shares the target's cores (both services on one host's CPU,
+  `StepTimes.shared_cores`), a drafted token's forward also takes the cores the target's forwards
+  need: X gains N d (measured at 8 co-located streams: rounds of 35-40 ms where the target alone's
+  took 16, and load_aware at 0.85x the target alone without this term).
 
 Alone this is the K that maximises E / R. Under load on hardware where rows cost (a CPU, a GPU past
 its flat region) the X term brings K down, to 0 (the target alone) where drafting does not pay;
@@ -101,6 +104,8 @@ class StepTimes:
 
     def __init__(self, target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo | None) -> None:
         self.target = Forwards(target)
+        self.shared_cores = False  # the draft's forwards take the target's cores (both on one host's CPU)
+        self.base: float | None = None  # S over every request's rounds: a new request's, until its own
         self.draft_per_token: float | None = None  # a draft step's forward seconds per drafted token
         self.set_draft(draft)  # sets self.draft
 
@@ -109,6 +114,9 @@ class StepTimes:
         self.draft = Forwards(draft)
         if draft is not None and draft.forward_costs and self.draft_per_token is None:
             self.draft_per_token = min(p.seconds for p in draft.forward_costs)
+
+    def observe_base(self, seconds: float) -> None:
+        self.base = _ewma(self.base, seconds)
 
     def observe_draft_step(self, seconds_per_token: float) -> None:
         self.draft_per_token = _ewma(self.draft_per_token, seconds_per_token)
@@ -135,9 +143,13 @@ class GoodputK(KPolicy):
     def acceptance_rate(self) -> float:
         return self._accepted / self._trials
 
-    def goodputs(self) -> list[float]:
-        """J(K) for K = 0 .. max_k (empty before a round measured S)."""
-        if self._base is None:
+    def goodputs(self, acceptance: float | None = None) -> list[float]:
+        """J(K) for K = 0 .. max_k (empty before a round measured S), at the request's acceptance
+        estimate or at `acceptance`."""
+        # A new request starts from every request's S: its first round (the prefill, and the block
+        # drafted beside it) is then chosen for the load there is, not for none.
+        base = self._base if self._base is not None else self.times.base
+        if base is None:
             return []
         times = self.times
         beta = times.target.row_seconds
@@ -147,14 +159,23 @@ class GoodputK(KPolicy):
         crowd = times.target.others * beta
         if self.drafts_cost:
             crowd += times.draft.others * times.draft.row_seconds
-        rate = min(self.acceptance_rate, 0.99)
+            if times.shared_cores:  # the draft's forwards take the cores the target's forwards need
+                crowd += times.target.others * draft
+        rate = min(self.acceptance_rate if acceptance is None else acceptance, 0.99)
 
-        def round_seconds(k: int) -> float:
-            return max(self._base or 0.0, 1e-6) + (self._latency if k else 0.0) + (beta + draft) * k
-
-        now = round_seconds(self._k)
-        others = crowd * expected_tokens(rate, self._k) / now / now
-        return [expected_tokens(rate, k) / round_seconds(k) - others * k for k in range(self.max_k + 1)]
+        # One pass, each K's expected tokens from the last's (E(K) = E(K - 1) + a^K): this runs every
+        # round of every request, and at 32 streams its cost showed in the orchestrator's CPU.
+        latency, step = self._latency, beta + draft
+        now_k = self._k
+        now = max(base, 1e-6) + (latency if now_k else 0.0) + step * now_k
+        others = crowd * expected_tokens(rate, now_k) / now / now
+        goodputs, tokens, power = [], 1.0, 1.0
+        for k in range(self.max_k + 1):
+            if k:
+                power *= rate
+                tokens += power
+            goodputs.append(tokens / (max(base, 1e-6) + (latency if k else 0.0) + step * k) - others * k)
+        return goodputs
 
     def next_k(self) -> int:
         if not self.drafts_cost and self._k == 0 and self._rounds_without_draft >= self._probe_wait:
@@ -173,8 +194,14 @@ class GoodputK(KPolicy):
         return self._k
 
     def probe_due(self) -> bool:
-        """A draft model's probe: one token drafted beside a K = 0 round's step, scored against it."""
-        return self.drafts_cost and self.max_k > 0 and self._rounds_without_draft >= self._probe_wait
+        """A draft model's probe: one token drafted beside a K = 0 round's step, scored against it. Only
+        where the acceptance could bring K back: where the load holds K at 0 even for a draft that always
+        agrees, a probe would learn nothing, and its draft step (catching up on every token since the
+        last) costs the cores it may share with the target (measured at 32 co-located streams)."""
+        if not (self.drafts_cost and self.max_k > 0 and self._rounds_without_draft >= self._probe_wait):
+            return False
+        agreeing = self.goodputs(acceptance=1.0)
+        return not agreeing or max(agreeing[1:]) > agreeing[0]
 
     def observe_probe(self, acceptance: float | None) -> None:
         self._rounds_without_draft = 1  # the probe's round counts; a draft that did not answer is asked again
@@ -201,7 +228,9 @@ class GoodputK(KPolicy):
         behind other sessions' drafts (30-40 ms a token at 32 streams, where a forward took a few). A
         step that fed more than a round commits was catching the draft up after rounds without it (or
         after lookup rounds, or on a reopened session): its time is this request's own, no price."""
-        self._base = _ewma(self._base, max(seconds - draft_wait - self.times.target.row_seconds * k, 0.0))
+        base = max(seconds - draft_wait - self.times.target.row_seconds * k, 0.0)
+        self._base = _ewma(self._base, base)
+        self.times.observe_base(base)
         if self.drafts_cost and k > 0 and draft_per_token > 0 and draft_fed <= self.max_k + 1:
             self.times.observe_draft_step(draft_per_token)
             # The request's own wait for a draft step beyond its forwards: the draft's RPC and queue on

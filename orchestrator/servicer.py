@@ -135,6 +135,16 @@ async def fetch_model_info(pool: ReplicaPool, timeout_s: float) -> common_pb2.Mo
         await asyncio.sleep(_INFO_POLL_S)
 
 
+def shares_cores(config: OrchestratorConfig, target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo | None) -> bool:
+    """Whether the draft's forwards take the cores the target's need: both on this host's CPU (the
+    replicas at one address), neither on a modeled device."""
+    if draft is None:
+        return False
+    on_cpu = all(info.device == "cpu" and not info.HasField("simulated_device") for info in (target, draft))
+    hosts = {address.strip().rpartition(":")[0] for address in f"{config.target},{config.draft}".split(",") if address}
+    return on_cpu and len(hosts) == 1
+
+
 @dataclass
 class DraftSide:
     """The draft replicas, and what is known of them (None until one has answered and matched)."""
@@ -163,6 +173,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         log.info("detokenizer", byte_table=self.byte_table is not None)
         self.availability = DraftAvailability(config.draft_retry_after_s)
         self.times = StepTimes(target_info, draft.info if draft else None)
+        self.times.shared_cores = shares_cores(config, target_info, draft.info if draft else None)
         self.sampler = BatchSampler()
         running = config.max_running_requests or target_info.max_sessions * max(1, len(target_pool.replicas))
         self.admission = Admission(running, config.max_queued_requests, config.max_queue_wait_s)
@@ -244,6 +255,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 return
             self.draft.info = info
             self.times.set_draft(info)
+            self.times.shared_cores = shares_cores(self.config, self.target_info, info)
             log.info("draft_available", model=info.model)
 
     async def close(self) -> None:

@@ -108,7 +108,8 @@ def test_where_rows_cost_the_others_in_its_forward_it_falls_to_k0_and_comes_back
 
 
 def test_at_k0_a_probe_comes_every_few_rounds_and_brings_k_back():
-    times = _times(STEEP, batch=16)
+    """A draft that stopped agreeing holds K at 0; probes watch it, ever less often, until it agrees."""
+    times = _times(FLAT, batch=16)
     policy = GoodputK(2, 4, times)
     policy.observe_wall(0, 0.02)  # one round measured S
     for _ in range(20):  # rejected blocks: the acceptance falls, K goes to 0
@@ -128,6 +129,20 @@ def test_at_k0_a_probe_comes_every_few_rounds_and_brings_k_back():
     for _ in range(30):  # probes that agree, alone again: K comes back
         policy.observe_probe(1.0)
     assert not policy.probe_due() and policy.next_k() > 0
+
+
+def test_no_probe_where_the_load_alone_holds_k_at_0():
+    """Rows that cost the others more than an always-agreeing draft would earn: a probe would learn
+    nothing that could bring K back, and its draft step would cost the cores."""
+    times = _times(STEEP, batch=16)
+    policy = GoodputK(2, 4, times)
+    _run(policy, 30, accepted_of=(4, 4))
+    assert policy.next_k() == 0
+    for _ in range(4 * PROBE_EVERY):
+        policy.observe(_verdict(0, 0))
+        assert not policy.probe_due()
+    times.target.batch = 1.0  # alone again: an agreeing draft would pay, so a probe is worth asking
+    assert policy.probe_due()
 
 
 def test_a_lookups_probe_rides_in_the_round():
@@ -201,3 +216,32 @@ def test_a_forward_delays_the_sessions_in_it_and_those_queued_behind_it():
     idle = _times(STEEP).target
     idle.observe(common_pb2.Timing(batch_size=1, batch_tokens=1, forward_seconds=0.004))
     assert idle.others == 0.0
+
+
+def test_a_draft_on_the_targets_cores_costs_every_session_waiting_on_the_target():
+    """Both services on one host's CPU: a drafted token's forward takes the cores the target's forward
+    needs, so it delays every session waiting on the target by about its own time (measured at 8
+    co-located streams: rounds of 35-40 ms against 16 for the target alone, and load_aware at 0.85x).
+    Alone, or on devices of their own, drafting still pays."""
+    shared, apart, alone = _times(FLAT, batch=8), _times(FLAT, batch=8), _times(FLAT)
+    shared.shared_cores = alone.shared_cores = True
+    policies = [GoodputK(2, 8, shared), GoodputK(2, 8, apart), GoodputK(2, 8, alone)]
+    for policy in policies:
+        policy.times.draft_per_token = 0.006
+        _run(policy, 30, accepted_of=(3, 4), seconds=0.04)
+    crowded, separate, single = (policy.next_k() for policy in policies)
+    assert crowded == 0 and separate > 0 and single > 0
+
+
+def test_the_orchestrator_knows_when_the_draft_shares_the_targets_cores():
+    from orchestrator.config import OrchestratorConfig
+    from orchestrator.servicer import shares_cores
+
+    cpu, gpu = common_pb2.ModelInfo(device="cpu"), common_pb2.ModelInfo(device="cuda:0")
+    modeled = common_pb2.ModelInfo(device="cpu", simulated_device=common_pb2.SimulatedDevice(profile="h100"))
+    local = OrchestratorConfig(target="127.0.0.1:1", draft="127.0.0.1:2")
+    apart = OrchestratorConfig(target="10.0.0.1:1", draft="10.0.0.2:1")
+    assert shares_cores(local, cpu, cpu)
+    assert not shares_cores(apart, cpu, cpu)  # two machines
+    assert not shares_cores(local, gpu, gpu) and not shares_cores(local, cpu, modeled)
+    assert not shares_cores(local, cpu, None)
