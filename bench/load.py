@@ -31,6 +31,8 @@ from serving.protocol import POLICY_BY_NAME
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from tools.local_stack import LocalStack
 
+CHANNELS = 8  # as the gateway's (http_gateway/__main__.py)
+
 
 @dataclass(frozen=True)
 class LoadConfig:
@@ -134,11 +136,22 @@ async def run_services(
         if config.k is not None:
             request.num_speculative_tokens = config.k
         requests.append(request)
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+    # A channel per client, each a connection of its own (an orchestrator with --workers balances by
+    # connection; identical channels share one unless each has a subchannel pool of its own).
+    channels = [
+        grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(min(concurrency, CHANNELS))
+    ]
+    stubs = [orchestrator_pb2_grpc.OrchestratorStub(channel) for channel in channels]
+    try:
         started = time.perf_counter()
-        await asyncio.gather(*(_client(stub, requests[i::concurrency], sample) for i in range(concurrency)))
+        await asyncio.gather(
+            *(_client(stubs[i % len(stubs)], requests[i::concurrency], sample) for i in range(concurrency))
+        )
         sample.seconds = time.perf_counter() - started
+    finally:
+        for channel in channels:
+            await channel.close()
     return sample
 
 

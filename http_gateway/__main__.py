@@ -108,21 +108,33 @@ def read_salt_secret(path: str) -> bytes | None:
 _MAX_RECONNECT_BACKOFF_MS = 1000
 
 
-async def connect(config: GatewayConfig) -> tuple[grpc.aio.Channel, Upstream]:
-    """The orchestrator's channel and info (waiting for it up to the start-up timeout), and the tokenizer."""
+# Channels to the orchestrator, each its own connection: an orchestrator with --workers N balances
+# connections over its workers (SO_REUSEPORT), so one channel would reach one worker. 8 connections
+# leave both of 2 workers idle with a chance of 1 in 128, and spread over up to 8.
+CHANNELS = 8
+
+
+async def connect(config: GatewayConfig) -> tuple[list[grpc.aio.Channel], Upstream]:
+    """The orchestrator's channels and info (waiting for it up to the start-up timeout), and the tokenizer."""
     credentials = channel_credentials(config.upstream_tls_ca, config.upstream_tls_cert, config.upstream_tls_key)
     # An orchestrator that comes back is found within a second or two (gRPC's default backoff grows
-    # to two minutes, during which every request and the readiness check would fail).
-    options: list[tuple[str, str | int]] = [("grpc.max_reconnect_backoff_ms", _MAX_RECONNECT_BACKOFF_MS)]
+    # to two minutes, during which every request and the readiness check would fail). Each channel has
+    # a subchannel pool of its own: identical channels would share one connection otherwise.
+    options: list[tuple[str, str | int]] = [
+        ("grpc.max_reconnect_backoff_ms", _MAX_RECONNECT_BACKOFF_MS),
+        ("grpc.use_local_subchannel_pool", 1),
+    ]
     if config.upstream_tls_server_name:
         options.append(("grpc.ssl_target_name_override", config.upstream_tls_server_name))
-    channel = (
+    channels = [
         grpc.aio.secure_channel(config.orchestrator, credentials, options=options)
         if credentials
         else grpc.aio.insecure_channel(config.orchestrator, options=options)
-    )
-    stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
-    health = health_pb2_grpc.HealthStub(channel)
+        for _ in range(CHANNELS)
+    ]
+    stubs = [orchestrator_pb2_grpc.OrchestratorStub(channel) for channel in channels]
+    stub = stubs[0]
+    health = health_pb2_grpc.HealthStub(channels[0])
     key = config.upstream_api_key
     if not key and config.api_key_file:  # the orchestrator may check keys too: the same file's first
         key = ApiKeys(config.api_key_file).first()
@@ -138,7 +150,7 @@ async def connect(config: GatewayConfig) -> tuple[grpc.aio.Channel, Upstream]:
             await asyncio.sleep(0.5)
     name = config.tokenizer or info.target.model
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, name)
-    return channel, Upstream(stub, info, tokenizer, health)
+    return channels, Upstream(stubs, info, tokenizer, health)
 
 
 # Request headers beyond this are answered 431 (h11's own bound on a header section in pieces).
@@ -169,13 +181,14 @@ def server_config(config: GatewayConfig, upstream: Upstream) -> uvicorn.Config:
 
 
 async def serve(config: GatewayConfig) -> None:
-    channel, upstream = await connect(config)
+    channels, upstream = await connect(config)
     server = uvicorn.Server(server_config(config, upstream))
     log.info("serving", port=config.port, orchestrator=config.orchestrator, model=upstream.model)
     try:
         await server.serve()
     finally:
-        await channel.close()
+        for channel in channels:
+            await channel.close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -83,12 +83,19 @@ _COMMON_FIELDS = {
 
 @dataclass
 class Upstream:
-    """The orchestrator: its stubs and what GetInfo said."""
+    """The orchestrator: its stubs (one per channel, taken in turn) and what GetInfo said."""
 
-    stub: orchestrator_pb2_grpc.OrchestratorStub
+    stubs: list[orchestrator_pb2_grpc.OrchestratorStub]
     info: orchestrator_pb2.GetInfoResponse
     tokenizer: PreTrainedTokenizerBase
     health: health_pb2_grpc.HealthStub | None = None
+    _turn: int = 0
+
+    @property
+    def stub(self) -> orchestrator_pb2_grpc.OrchestratorStub:
+        """The next channel's stub: an orchestrator with --workers balances by connection."""
+        self._turn = (self._turn + 1) % len(self.stubs)
+        return self.stubs[self._turn]
 
     @property
     def model(self) -> str:

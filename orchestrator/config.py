@@ -42,6 +42,7 @@ class OrchestratorConfig:
     max_queued_requests: int = 1024
     max_queue_wait_s: float = 60.0
     stream_interval: int = 16
+    workers: str = "1"
     metrics_port: int = 0
     health_port: int = 0
     tls_cert: str = ""
@@ -88,6 +89,8 @@ _HELP: dict[str, str] = {
     "max_queue_wait_s": "a queued request that waits longer gets RESOURCE_EXHAUSTED",
     "stream_interval": "tokens a client stream gathers before a message goes out (at most about one round's wait; "
     "the first token and the last message are never held): fewer, larger messages under load",
+    "workers": "orchestrator processes serving --port (N, or auto: the CPU quota); clients spread over them by "
+    "connection, and each worker keeps its own links, routing index and share of admission",
     "metrics_port": "Prometheus metrics port (0 disables)",
     "health_port": "a plaintext port serving gRPC health checks only, for probes that cannot speak TLS (0: none)",
     "tls_cert": "PEM certificate chain: serve TLS to clients (with --tls-key)",
@@ -117,6 +120,8 @@ def parse_orchestrator_config(argv: Sequence[str] | None = None) -> Orchestrator
         parser.error("--ngram-min and --ngram-max need 1 <= --ngram-min <= --ngram-max")
     if not 0 <= config.num_speculative_tokens <= config.max_speculative_tokens:
         parser.error("--num-speculative-tokens must be in [0, --max-speculative-tokens]")
+    if config.workers != "auto" and (not config.workers.isdigit() or int(config.workers) < 1):
+        parser.error(f"--workers must be a count of at least 1 or auto (the CPU quota); got {config.workers!r}")
     if config.stream_interval < 1:
         parser.error("--stream-interval must be at least 1 (1 sends each round's tokens at once)")
     return config

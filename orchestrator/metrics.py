@@ -39,7 +39,8 @@ CONSTRAINT_VIOLATIONS = Counter(
 STRUCTURED_OUTPUT_REQUESTS = Counter(
     "specdec:structured_output_requests", "Generate requests with a structured_output constraint", ["kind"]
 )
-REQUESTS_RUNNING = Gauge("specdec:num_requests_running", "Generate calls in progress")
+# Summed over the workers (--workers: prometheus_client's multiprocess mode; ignored otherwise).
+REQUESTS_RUNNING = Gauge("specdec:num_requests_running", "Generate calls in progress", multiprocess_mode="livesum")
 TIME_TO_FIRST_TOKEN = Histogram(
     "specdec:time_to_first_token_seconds", "Time to the first streamed token", buckets=_LATENCY_BUCKETS
 )

@@ -28,6 +28,7 @@ from orchestrator.routing import route_for
 from orchestrator.sampler import BatchSampler
 from orchestrator.text import TextStream, byte_table
 from orchestrator.upstream import Dial, DraftAvailability, ReplicaPool, SessionStream
+from orchestrator.workers import share, worker_count
 from serving.constraints import ConstraintSpec, Grammars, TokenBan
 from serving.errors import ServiceError, failed_precondition, invalid_argument
 from serving.logits import MAX_TOP_LOGPROBS
@@ -175,8 +176,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.times = StepTimes(target_info, draft.info if draft else None)
         self.times.shared_cores = shares_cores(config, target_info, draft.info if draft else None)
         self.sampler = BatchSampler()
+        # With --workers, each worker admits its share.
         running = config.max_running_requests or target_info.max_sessions * max(1, len(target_pool.replicas))
-        self.admission = Admission(running, config.max_queued_requests, config.max_queue_wait_s)
+        workers = worker_count(config.workers)
+        self.admission = Admission(
+            share(running, workers), share(config.max_queued_requests, workers), config.max_queue_wait_s
+        )
         self._draft_watch: asyncio.Task[None] | None = None
         # Structured outputs: the orchestrator checks every committed token with a matcher of its own.
         self.grammars: Grammars | None = None

@@ -32,7 +32,7 @@ class GatewayThread:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.channel, upstream = asyncio.run_coroutine_threadsafe(connect(config), self.loop).result(60)
+        self.channels, upstream = asyncio.run_coroutine_threadsafe(connect(config), self.loop).result(60)
         self.model = upstream.model
         self.upstream = upstream
         self.server = uvicorn.Server(server_config(replace(config, host=LOOPBACK, log_level="warning"), upstream))
@@ -46,7 +46,8 @@ class GatewayThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.serving.result(20)
-        asyncio.run_coroutine_threadsafe(self.channel.close(), self.loop).result(10)
+        for channel in self.channels:
+            asyncio.run_coroutine_threadsafe(channel.close(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 
