@@ -73,18 +73,48 @@ async def _drive(address: str, streams: int, k: int, max_new_tokens: int) -> dic
         return {"tokens": tokens, "seconds": time.perf_counter() - started, "cpu": time.process_time() - cpu}
 
 
-def _cell(stack: LocalStack, streams: int, k: int, max_new_tokens: int) -> dict[str, Any]:
-    """One run: tokens per second and CPU microseconds per token by process."""
+async def _drive_http(url: str, streams: int, k: int, max_new_tokens: int) -> dict[str, float]:
+    """As `_drive`, through the OpenAI-compatible API: streamed completions of token-id prompts."""
+    import httpx2 as httpx
+
+    tokens = 0
+
+    async def client(http: httpx.AsyncClient, index: int) -> None:
+        nonlocal tokens
+        for n in range(REQUESTS_PER_STREAM):
+            body = {"prompt": [*PROMPT, index % 1000, n], "max_tokens": max_new_tokens, "temperature": 0,
+                    "stream": True, "ignore_eos": True, "num_speculative_tokens": k,
+                    "stream_options": {"include_usage": True}}  # fmt: skip
+            async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {") and '"usage":{' in line.replace(" ", ""):
+                        usage = json.loads(line[6:]).get("usage") or {}
+                        tokens += usage.get("completion_tokens", 0)
+
+    limits = httpx.Limits(max_connections=streams + 1, max_keepalive_connections=streams + 1)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        await client(http, 999)
+        tokens = 0
+        cpu, started = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(client(http, i) for i in range(streams)))
+        return {"tokens": tokens, "seconds": time.perf_counter() - started, "cpu": time.process_time() - cpu}
+
+
+def _cell(
+    stack: LocalStack, streams: int, k: int, max_new_tokens: int, target: str = "", extra: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """One run: tokens per second and CPU microseconds per token by process (`target`: an HTTP URL to
+    drive instead of the orchestrator's gRPC port; `extra`: more processes to measure, by name)."""
 
     def usage() -> dict[str, float]:
-        cpu = {name: _process_cpu(pid) for name, pid in stack.pids.items()}
+        cpu = {name: _process_cpu(pid) for name, pid in {**stack.pids, **(extra or {})}.items()}
         forwards = metric_totals(stack.metrics_ports["target"], "specdec:engine_forward_seconds_sum")
         return {**cpu, "target forwards": forwards.get("target", 0.0)}
 
     before = usage()
     client = subprocess.run(
-        [sys.executable, "-m", "bench.host_cpu", "--drive", stack.orchestrator_address, "--streams", str(streams),
-         "--k", str(k), "--max-new-tokens", str(max_new_tokens)],
+        [sys.executable, "-m", "bench.host_cpu", "--drive", target or stack.orchestrator_address,
+         "--streams", str(streams), "--k", str(k), "--max-new-tokens", str(max_new_tokens)],
         capture_output=True, text=True,
     )  # fmt: skip
     if client.returncode:
@@ -155,12 +185,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--against", default="", help="a git revision whose stack runs beside this tree's")
     parser.add_argument("--orchestrator-args", default="", help="more flags for this tree's orchestrator")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument(
+        "--paths", action="store_true",
+        help="K = 0 through gRPC, the OpenAI API in the orchestrator's process (--http-port) and the separate "
+        "gateway, this tree alone: orchestrator and gateway CPU per token",
+    )  # fmt: skip
     parser.add_argument("--drive", default="", help=argparse.SUPPRESS)  # the client process
     parser.add_argument("--k", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.drive:
-        print(json.dumps(asyncio.run(_drive(args.drive, int(args.streams), args.k, args.max_new_tokens))))
+        drive = _drive_http if args.drive.startswith("http") else _drive
+        print(json.dumps(asyncio.run(drive(args.drive, int(args.streams), args.k, args.max_new_tokens))))
         return 0
+    if args.paths:
+        return _paths(args)
     cells = [name.strip() for name in args.cells.split(",") if name.strip()]
     unknown = [name for name in cells if name not in CELLS]
     if unknown:
@@ -207,6 +245,68 @@ def main(argv: Sequence[str] | None = None) -> int:
     path.write_text(json.dumps({"meta": {"date": stamp, **{k: str(v) for k, v in vars(args).items()}},
                                 "results": results}, indent=1))  # fmt: skip
     print(f"\nresults: {path}")
+    return 0
+
+
+def _paths(args: argparse.Namespace) -> int:
+    """The OpenAI API's cost beside gRPC's: the same K = 0 requests through each path, interleaved."""
+    from tools.local_stack import LOOPBACK, free_port
+
+    pair = build_null_pair(args.out / "null_pair").resolve()
+    http_port, gateway_port = free_port(), free_port()
+    stack = LocalStack(
+        str(pair / "target"), str(pair / "draft"), extra_service_args=["--threads", "1"],
+        extra_orchestrator_args=["--http-port", str(http_port)], with_metrics=True,
+        log_dir=args.out / "host-logs" / "paths",
+    )  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    with stack:
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "http_gateway", "--orchestrator", stack.orchestrator_address, "--host", LOOPBACK,
+             "--port", str(gateway_port), "--log-level", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            import httpx2 as httpx
+
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if httpx.get(f"http://{LOOPBACK}:{gateway_port}/ready", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise SystemExit("the gateway did not start")
+                time.sleep(0.5)
+            paths = {
+                "gRPC": ("", {}),
+                "HTTP in the orchestrator": (f"http://{LOOPBACK}:{http_port}", {}),
+                "HTTP gateway process": (f"http://{LOOPBACK}:{gateway_port}", {"gateway": gateway.pid}),
+            }
+            for rep in range(args.rounds):
+                for count in [int(s) for s in args.streams.split(",") if s]:
+                    for name, (url, extra) in paths.items():
+                        cell = _cell(stack, count, 0, args.max_new_tokens, url, extra)
+                        rows.append({"round": rep, "streams": count, "path": name, **cell})
+                print(f"round {rep + 1} of {args.rounds} done", flush=True)
+        finally:
+            gateway.terminate()
+            gateway.wait(30)
+    print("CPU regime, near-null pair, K = 0: medians over rounds; CPU µs per generated token\n")
+    print("| streams | path | tok/s | orchestrator | gateway | orchestrator + gateway | client |")
+    print("|---|---|---|---|---|---|---|")
+    for count in sorted({r["streams"] for r in rows}):
+        for name in ("gRPC", "HTTP in the orchestrator", "HTTP gateway process"):
+            group = [r for r in rows if r["streams"] == count and r["path"] == name]
+            med = {p: statistics.median(r["us_per_token"].get(p, 0.0) for r in group)
+                   for p in ("orchestrator", "gateway", "client")}  # fmt: skip
+            both = statistics.median(
+                r["us_per_token"]["orchestrator"] + r["us_per_token"].get("gateway", 0.0) for r in group
+            )
+            speed = statistics.median(r["tokens_per_second"] for r in group)
+            print(f"| {count} | {name} | {speed:,.0f} | {med['orchestrator']:,.0f} | {med['gateway']:,.0f} | "
+                  f"{both:,.0f} | {med['client']:,.0f} |")  # fmt: skip
     return 0
 
 

@@ -76,6 +76,14 @@ async def start_orchestrator(config: OrchestratorConfig) -> RunningOrchestrator:
 async def serve(config: OrchestratorConfig) -> None:
     """Run until SIGTERM or SIGINT, then drain."""
     running = await start_orchestrator(config)
+    http = None
+    if config.http_port:  # imported here: the gateway's app is loaded only where asked for
+        from http_gateway.in_process import start_http
+
+        http = await start_http(
+            running.servicer, running.health, config.host, config.http_port, config.api_key_file, config.grace_period_s
+        )
+        log.info("http_serving", host=config.host, port=config.http_port)
     serving.start_metrics(config.host, config.metrics_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -85,5 +93,7 @@ async def serve(config: OrchestratorConfig) -> None:
         loop.add_signal_handler(signal.SIGHUP, running.api_keys.reload)
     await stop.wait()
     log.info("draining", grace_s=config.grace_period_s)
+    if http is not None:  # HTTP requests in flight finish (within the grace) before the servicer closes
+        await http.stop()
     await running.drain(config.grace_period_s)
     log.info("stopped")

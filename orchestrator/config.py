@@ -43,6 +43,7 @@ class OrchestratorConfig:
     max_queue_wait_s: float = 60.0
     stream_interval: int = 16
     workers: str = "1"
+    http_port: int = 0
     metrics_port: int = 0
     health_port: int = 0
     tls_cert: str = ""
@@ -91,6 +92,8 @@ _HELP: dict[str, str] = {
     "the first token and the last message are never held): fewer, larger messages under load",
     "workers": "orchestrator processes serving --port (N, or auto: the CPU quota); clients spread over them by "
     "connection, and each worker keeps its own links, routing index and share of admission",
+    "http_port": "also serve the OpenAI-compatible HTTP API on this port, in this process (0: none; "
+    "python -m http_gateway is the same API as a process of its own)",
     "metrics_port": "Prometheus metrics port (0 disables)",
     "health_port": "a plaintext port serving gRPC health checks only, for probes that cannot speak TLS (0: none)",
     "tls_cert": "PEM certificate chain: serve TLS to clients (with --tls-key)",

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import httpx2 as httpx
 import openai
@@ -16,6 +17,7 @@ from transformers import AutoTokenizer
 
 from http_gateway.__main__ import GatewayConfig, connect, server_config
 from http_gateway.app import render_chat
+from http_gateway.in_process import start_http
 from http_gateway.openai_api import ApiError
 from specdec.v1 import orchestrator_pb2
 from tests.conftest import collect, wait_until
@@ -67,9 +69,36 @@ def _start(orchestrator: OrchestratorThread, **overrides) -> GatewayThread:
     return GatewayThread(config)
 
 
-@pytest.fixture(scope="module")
-def gateway(orchestrators, chat_tokenizer) -> Iterator[GatewayThread]:
-    started = _start(orchestrators["close"], tokenizer=str(chat_tokenizer))
+class InProcessGateway:
+    """`orchestrator --http-port`: the gateway's app on an orchestrator's own event loop, calling its
+    servicer directly (http_gateway/in_process.py)."""
+
+    def __init__(self, orchestrator: OrchestratorThread) -> None:
+        self.orchestrator = orchestrator
+        running = orchestrator.running
+        port = free_port()
+        self.http = orchestrator.run(start_http(running.servicer, running.health, LOOPBACK, port, "", 5.0))
+        self.upstream = self.http.upstream
+        self.model = self.upstream.model
+        self.base_url = f"http://{LOOPBACK}:{port}"
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0)
+
+    def stop(self) -> None:
+        self.orchestrator.run(self.http.stop(), timeout=30)
+        self.orchestrator.stop()
+
+
+@pytest.fixture(scope="module", params=["process", "in-process"])
+def gateway(request, orchestrators, chat_tokenizer, target_server, close_draft_server) -> Iterator[Any]:
+    """The battery runs against the gateway as a process of its own and inside an orchestrator (one
+    with the chat template's tokenizer, over the same services as the `close` orchestrator)."""
+    if request.param == "process":
+        started: Any = _start(orchestrators["close"], tokenizer=str(chat_tokenizer))
+    else:
+        config = orchestrator_config(target_server, close_draft_server, tokenizer=str(chat_tokenizer))
+        started = InProcessGateway(OrchestratorThread(config))
     yield started
     started.stop()
 
