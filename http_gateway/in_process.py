@@ -17,13 +17,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import structlog
 import uvicorn
 from grpc_health.v1 import health_pb2
 
 from http_gateway.__main__ import GatewayConfig, server_config
 from http_gateway.app import Upstream
-from serving.errors import ServiceError
+from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError
 from specdec.v1 import orchestrator_pb2
+
+log = structlog.get_logger(__name__)
 
 _END = object()
 
@@ -70,6 +73,11 @@ class InProcessCall:
             self._queue.put_nowait(_END)
         except ServiceError as exc:
             self._queue.put_nowait(_rpc_error(exc))
+        except Exception as exc:  # a bug: the client gets INTERNAL, as over gRPC, never a hang
+            log.exception("generate_failed")
+            self._queue.put_nowait(
+                _rpc_error(ServiceError(grpc.StatusCode.INTERNAL, f"{HANDLER_INTERNAL_PREFIX}{exc!r}"))
+            )
 
     def __aiter__(self) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
         return self

@@ -372,3 +372,45 @@ def test_vllm_extras_through_the_gateway(gateway, orchestrators):
         extra_body={"stop_token_ids": [second], "min_tokens": 3, "ignore_eos": True},
     )  # fmt: skip
     assert held.usage.completion_tokens >= 3
+
+
+def test_an_in_process_call_reports_errors_as_grpc_would_and_ends_on_cancel():
+    """A servicer's ServiceError reaches the app as its AioRpcError; a bug as INTERNAL, never a hang;
+    cancelling the call ends the generation."""
+    import grpc
+
+    from http_gateway.in_process import InProcessCall
+    from serving.errors import ServiceError
+
+    ended = asyncio.Event()
+
+    class Servicer:
+        def __init__(self, error: BaseException | None) -> None:
+            self.error = error
+
+        async def Generate(self, request, context):
+            yield orchestrator_pb2.GenerateResponse(token_ids=[1])
+            if self.error is not None:
+                raise self.error
+            try:
+                await asyncio.sleep(60)
+            finally:
+                ended.set()
+
+    async def codes() -> list[Any]:
+        seen = []
+        for error in (ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "bad field"), RuntimeError("boom")):
+            call = InProcessCall(Servicer(error), orchestrator_pb2.GenerateRequest(), ())
+            assert (await anext(call)).token_ids == [1]
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await anext(call)
+            seen.append((raised.value.code(), raised.value.details()))
+        call = InProcessCall(Servicer(None), orchestrator_pb2.GenerateRequest(), ())
+        await anext(call)
+        call.cancel()
+        await asyncio.wait_for(ended.wait(), 5)
+        return seen
+
+    (invalid, invalid_details), (internal, internal_details) = asyncio.run(codes())
+    assert invalid == grpc.StatusCode.INVALID_ARGUMENT and invalid_details == "bad field"
+    assert internal == grpc.StatusCode.INTERNAL and "boom" in internal_details
