@@ -521,7 +521,10 @@ def first_token_pvalue(counts: Counter[int], probs: torch.Tensor, samples: int) 
 
 
 def first_token_request(prompt: list[int], seed: int, **fields: Any) -> orchestrator_pb2.GenerateRequest:
-    """A sampled request whose first token is the one the test counts (its first round drafts 1 token)."""
+    """A sampled request whose first token is the one the test counts (its first round drafts 1 token).
+    The fixed policy, unless the test names one: load_aware may choose K = 0 under the test's own load
+    (the services share this machine's cores), and the acceptance rule would go untested."""
+    fields.setdefault("speculation_policy", orchestrator_pb2.SPECULATION_POLICY_FIXED)
     return orchestrator_pb2.GenerateRequest(
         token_ids=orchestrator_pb2.TokenIds(ids=prompt),
         max_new_tokens=2,
