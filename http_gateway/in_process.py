@@ -32,25 +32,11 @@ _END = object()
 
 
 class _Context:
-    """The little of a ServicerContext that the servicers read when called in-process."""
-
-    def __init__(self, metadata: Any = ()) -> None:
-        self._metadata = tuple(metadata or ())
-
-    def invocation_metadata(self) -> tuple[Any, ...]:
-        return self._metadata
-
-    def peer(self) -> str:
-        return "in-process"
+    """What the servicers read of a ServicerContext when called in-process: only `abort` (the
+    health servicer's, for a service it does not know). API keys are the app's to check."""
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         raise ServiceError(code, details)
-
-    def set_code(self, code: grpc.StatusCode) -> None:
-        self.code = code
-
-    def set_details(self, details: str) -> None:
-        self.details = details
 
 
 def _rpc_error(exc: ServiceError) -> grpc.aio.AioRpcError:
@@ -62,9 +48,9 @@ class InProcessCall:
     Generate running in a task of its own: cancelling it ends the generation, as a client that goes
     away does."""
 
-    def __init__(self, servicer: Any, request: orchestrator_pb2.GenerateRequest, metadata: Any) -> None:
+    def __init__(self, servicer: Any, request: orchestrator_pb2.GenerateRequest) -> None:
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._task = asyncio.create_task(self._pump(servicer, request, _Context(metadata)))
+        self._task = asyncio.create_task(self._pump(servicer, request, _Context()))
 
     async def _pump(self, servicer: Any, request: orchestrator_pb2.GenerateRequest, context: _Context) -> None:
         try:
@@ -101,13 +87,14 @@ class InProcessStub:
         self.servicer = servicer
 
     def Generate(self, request: orchestrator_pb2.GenerateRequest, metadata: Any = ()) -> InProcessCall:
-        return InProcessCall(self.servicer, request, metadata)
+        """`metadata` (the caller's API key) is the gRPC stub's signature; the app checked the key."""
+        return InProcessCall(self.servicer, request)
 
     async def GetInfo(
         self, request: orchestrator_pb2.GetInfoRequest, metadata: Any = (), timeout: float | None = None
     ) -> orchestrator_pb2.GetInfoResponse:
         try:
-            return await self.servicer.GetInfo(request, _Context(metadata))  # type: ignore[no-any-return]
+            return await self.servicer.GetInfo(request, _Context())  # type: ignore[no-any-return]
         except ServiceError as exc:
             raise _rpc_error(exc) from exc
 
@@ -121,7 +108,10 @@ class InProcessHealth:
     async def Check(
         self, request: health_pb2.HealthCheckRequest, timeout: float | None = None
     ) -> health_pb2.HealthCheckResponse:
-        return await self.health.Check(request, _Context())  # type: ignore[no-any-return]
+        try:
+            return await self.health.Check(request, _Context())  # type: ignore[no-any-return]
+        except ServiceError as exc:
+            raise _rpc_error(exc) from exc
 
 
 async def in_process_upstream(servicer: Any, health: Any) -> Upstream:

@@ -12,7 +12,7 @@ import torch
 from orchestrator.goodput import StepTimes
 from orchestrator.metrics import DRAFT_ROWS
 from orchestrator.proposals import NO_DRAFT, POINT_MASS_PROPOSERS, Draft, RowsAt, Stats, point_masses
-from orchestrator.requests import ModelLimits, StepFields
+from orchestrator.requests import StepFields
 from orchestrator.upstream import Context, DraftAvailability, SessionStream, is_draft_fault
 from orchestrator.verdicts import draft_row_from
 from serving.errors import ServiceError, unavailable
@@ -34,14 +34,13 @@ class Drafter:
         stream: DraftStream | None,
         availability: DraftAvailability,
         fields: StepFields,
-        limits: ModelLimits,
         stats: Stats,
         times: StepTimes | None,
     ) -> None:
         self.stream = stream
         self.availability = availability
         self.fields = fields
-        self.limits = limits
+        self.request, self.limits = fields.request, fields.limits
         self.stats = stats
         self.times = times
         self.refused = False
@@ -59,9 +58,7 @@ class Drafter:
         sequence holds one, this request drafts no more (K = 0, the target alone, still exact)."""
         width = self.limits.draft_vocab_size
         if width and not self.refused and any(t >= width for t in token_ids):
-            log.info(
-                "drafting_stopped", request_id=self.fields.request.request_id, reason="a token past the draft's width"
-            )
+            log.info("drafting_stopped", request_id=self.request.request_id, reason="a token past the draft's width")
             self.refused = True
 
     async def propose(self, context: Context, k: int) -> Draft:
@@ -78,7 +75,7 @@ class Drafter:
             )
             response = stepped.response
             token_ids = list(response.draft_token_ids)
-            probs = None if self.fields.request.sampling.greedy else list(response.draft_token_probs)
+            probs = None if self.request.sampling.greedy else list(response.draft_token_probs)
             if not 1 <= len(token_ids) <= k:
                 raise WireFormatError(f"draft returned {len(token_ids)} tokens for k = {k}")
             if max(token_ids) >= self.limits.vocab_size or min(token_ids) < 0:
@@ -126,14 +123,14 @@ class Drafter:
         try:
             if fetched is not None and fetched.held:
                 DRAFT_ROWS.labels("fetched").inc()
-                return draft_row_from(fetched.row, self.fields.request.sampling, self.limits)
-            log.info("draft_row_recomputed", request_id=self.fields.request.request_id)
+                return draft_row_from(fetched.row, self.request.sampling, self.limits)
+            log.info("draft_row_recomputed", request_id=self.request.request_id)
             DRAFT_ROWS.labels("recomputed").inc()
             if side is not None:  # the session's step beside this one ends first (a rejection made it moot)
                 await asyncio.wait([side])
             context = Context(sequence, block.token_ids[:index])
             stepped = await self.stream.step(context, lambda keep: self.fields.draft(context, keep, 0))
-            return draft_row_from(stepped.response.row, self.fields.request.sampling, self.limits)
+            return draft_row_from(stepped.response.row, self.request.sampling, self.limits)
         except (ServiceError, TimeoutError, WireFormatError) as exc:
             DRAFT_ROWS.labels("missing").inc()
             if is_draft_fault(exc):

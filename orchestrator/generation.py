@@ -37,7 +37,7 @@ from orchestrator.proposals import (
 )
 from orchestrator.rejection import Verdict, acceptance_probability
 from orchestrator.requests import GenerationRequest, ModelLimits, StepFields, finish_of
-from orchestrator.round_plan import RoundLimits, RoundPlan, RoundState, plan_round, side_k_for, still_valid
+from orchestrator.round_plan import RoundPlan, RoundState, plan_round, side_k_for, still_valid
 from orchestrator.sampler import BatchSampler
 from orchestrator.upstream import Context, DraftAvailability
 from orchestrator.verifying import Checked, TargetStream, Verifier
@@ -91,17 +91,8 @@ class Generation:
     ) -> None:
         self.request = request
         self.limits = limits
-        self.round_limits = RoundLimits(
-            request.max_new_tokens,
-            limits.target_max_context,
-            limits.draft_max_context,
-            limits.draft_max_speculative_tokens,
-            limits.eos_token_ids,
-        )
         self.target = target
-        self.sampler = sampler or BatchSampler()  # the orchestrator's, shared: accept/reject over the batch
         self.policy = policy
-        self.times = times  # learns from every target step's timing, for the load-aware policy
         self.sequence = list(request.prompt_token_ids)  # only ever grows (upstream.Context relies on it)
         self.produced = 0
         self.round_seconds = 0.0  # the last round's wall time
@@ -127,9 +118,11 @@ class Generation:
                 "constraint_start": len(self.sequence),
             }
         self.fields = StepFields(request, limits, constraint_fields)
-        self.drafter = Drafter(draft, availability, self.fields, limits, self.stats, times)
+        # `times` learns from every step's timing, for the load-aware policy; `sampler` is the
+        # orchestrator's, shared: accept/reject over the batch.
+        self.drafter = Drafter(draft, availability, self.fields, self.stats, times)
         self.drafter.check_width(self.sequence)
-        self.verifier = Verifier(target, request, limits, self.fields, self.stats, times, self.sampler, self.drafter)
+        self.verifier = Verifier(target, self.fields, self.stats, times, sampler or BatchSampler(), self.drafter)
         self._started = 0.0
         self._ahead: Ahead | None = None  # the draft's work beside the last step, awaited when needed
 
@@ -143,7 +136,7 @@ class Generation:
         self._started = time.perf_counter()
         try:
             while self.finish_reason == orchestrator_pb2.FINISH_REASON_UNSPECIFIED:
-                plan = plan_round(self.state(), self.policy, self.lookup_policy, self.round_limits)
+                plan = plan_round(self.state(), self.policy, self.lookup_policy, self.limits)
                 outcome = await self.run_round(plan)
                 yield self.apply_round(plan, outcome)
         finally:
@@ -161,6 +154,7 @@ class Generation:
         return RoundState(
             produced=self.produced,
             length=len(self.sequence),
+            max_new_tokens=self.request.max_new_tokens,
             request_k=self.request.num_speculative_tokens,
             greedy=self.request.sampling.greedy,
             drafting=self.drafter.usable,
@@ -194,7 +188,7 @@ class Generation:
             )
         draft_wait = time.perf_counter() - started  # what the target's step waited for
         CHOSEN_K.observe(len(block.token_ids))
-        checked, side = await self._verify_beside(block, side_k_for(plan, block, self.round_limits))
+        checked, side = await self._verify_beside(block, side_k_for(plan, block, self.limits))
         overlapped = plan.block is None and ahead is not None
         return RoundOutcome(block, checked, side, probed, time.perf_counter() - started, draft_wait, overlapped)
 

@@ -98,20 +98,33 @@ class Forwards:
         self._queue = _ewma(self._queue, max(timing.queue_seconds, 0.0))
 
 
+def _on_cpu(info: common_pb2.ModelInfo) -> bool:
+    """A service computing on its host's CPU, not a GPU nor a modeled device."""
+    return info.device == "cpu" and not info.HasField("simulated_device")
+
+
 class StepTimes:
     """What steps cost at the current load, from every request's timings: shared by the requests of
     one orchestrator (it describes the services, never a request)."""
 
-    def __init__(self, target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo | None) -> None:
+    def __init__(
+        self, target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo | None, one_host: bool = False
+    ) -> None:
         self.target = Forwards(target)
-        self.shared_cores = False  # the draft's forwards take the target's cores (both on one host's CPU)
+        # The draft's forwards may take the target's cores: the replicas at one address, the target on
+        # its CPU (set_draft checks the draft).
+        self._cores_shareable = one_host and _on_cpu(target)
+        self.shared_cores = False  # the draft's forwards take the target's cores (set_draft)
         self.base: float | None = None  # S over every request's rounds: a new request's, until its own
         self.draft_per_token: float | None = None  # a draft step's forward seconds per drafted token
         self.set_draft(draft)  # sets self.draft
 
     def set_draft(self, draft: common_pb2.ModelInfo | None) -> None:
-        """Before a round has waited for it, a drafted token costs the draft's smallest forward."""
+        """Before a round has waited for it, a drafted token costs the draft's smallest forward. The
+        draft's forwards take the target's cores where both run on one host's CPU, neither on a
+        modeled device."""
         self.draft = Forwards(draft)
+        self.shared_cores = self._cores_shareable and draft is not None and _on_cpu(draft)
         if draft is not None and draft.forward_costs and self.draft_per_token is None:
             self.draft_per_token = min(p.seconds for p in draft.forward_costs)
 

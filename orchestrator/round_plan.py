@@ -22,17 +22,7 @@ from dataclasses import dataclass
 
 from orchestrator.k_policy import KPolicy
 from orchestrator.proposals import FORCED, MODEL, NGRAM, NO_DRAFT, Draft
-
-
-@dataclass(frozen=True)
-class RoundLimits:
-    """What bounds every round of one request: the request's and the pair's limits."""
-
-    max_new_tokens: int
-    target_max_context: int
-    draft_max_context: int
-    draft_max_speculative_tokens: int  # the draft service's cap on one step's tokens
-    eos_token_ids: frozenset[int]
+from orchestrator.requests import ModelLimits
 
 
 @dataclass(frozen=True)
@@ -41,6 +31,7 @@ class RoundState:
 
     produced: int  # tokens generated so far
     length: int  # the sequence's length (prompt included)
+    max_new_tokens: int
     request_k: int  # the request's K (0: the target alone, which no block changes)
     greedy: bool
     drafting: bool  # the draft model may be asked (there is one, it is up, and it took this request's steps)
@@ -71,11 +62,12 @@ class RoundPlan:
         return self.probe or self.beside_prefill
 
 
-def cap(k: int, produced: int, length: int, limits: RoundLimits, drafted: bool, guess: int = 0) -> int:
-    """K for a block that starts after `produced` generated tokens and `length` in context: a round
-    commits at most K + 1 tokens. A drafted block (`drafted`) also fits the draft's context and its
-    bound on a step, which drafts `guess` tokens before the block (the guess of the bonus token)."""
-    bounds = [k, limits.max_new_tokens - produced - 1, limits.target_max_context - length - 1]
+def cap(k: int, state: RoundState, limits: ModelLimits, drafted: bool, after: int = 0, guess: int = 0) -> int:
+    """K for a block that starts `after` tokens past the state's sequence: a round commits at most
+    K + 1 tokens. A drafted block (`drafted`) also fits the draft's context and its bound on a step,
+    which drafts `guess` tokens before the block (the guess of the bonus token)."""
+    produced, length = state.produced + after, state.length + after
+    bounds = [k, state.max_new_tokens - produced - 1, limits.target_max_context - length - 1]
     if drafted:
         bounds += [limits.draft_max_speculative_tokens - guess, limits.draft_max_context - length]
     return max(0, min(bounds))
@@ -86,38 +78,37 @@ def _point_masses(token_ids: Sequence[int], proposer: str, greedy: bool) -> Draf
     return Draft(list(token_ids), None if greedy else [1.0] * len(token_ids), proposer=proposer)
 
 
-def plan_round(state: RoundState, policy: KPolicy, lookup_policy: KPolicy | None, limits: RoundLimits) -> RoundPlan:
+def plan_round(state: RoundState, policy: KPolicy, lookup_policy: KPolicy | None, limits: ModelLimits) -> RoundPlan:
     """The round's block and the draft's work beside it (see the module's docstring)."""
-    produced, length = state.produced, state.length
     if state.forced and state.request_k:
-        k = cap(state.request_k, produced, length, limits, drafted=False)
+        k = cap(state.request_k, state, limits, drafted=False)
         if k:
             return RoundPlan(state, _point_masses(state.forced[:k], FORCED, state.greedy))
     lookup_idle = False
     if state.lookup is not None and lookup_policy is not None:
-        k = cap(lookup_policy.next_k(), produced, length, limits, drafted=False)
+        k = cap(lookup_policy.next_k(), state, limits, drafted=False)
         if k and state.lookup:
             return RoundPlan(state, _point_masses(state.lookup[:k], NGRAM, state.greedy))
         lookup_idle = k == 0
     if not state.drafting:
         return RoundPlan(state, NO_DRAFT, lookup_idle=lookup_idle)
     next_k = policy.next_k()
-    k = cap(next_k, produced, length, limits, drafted=True)
-    if k and not produced and (state.overlap or policy.drafts_beside_prefill):
+    k = cap(next_k, state, limits, drafted=True)
+    if k and not state.produced and (state.overlap or policy.drafts_beside_prefill):
         # The target prefills the prompt alone (K = 0) while the draft prefills it beside and drafts the
         # next block, rather than first prefilling and drafting while the target waits: the first token
         # comes when the target alone gives it (overlapped drafting's idea, for the prefill).
-        side_k = _ahead(k, produced, length, 0, limits)
+        side_k = _ahead(k, state, 0, limits)
         if side_k:
             return RoundPlan(state, NO_DRAFT, side_k=side_k, beside_prefill=True, lookup_idle=lookup_idle)
     if k:
         return RoundPlan(state, None, k=k, next_k=next_k, lookup_idle=lookup_idle)
-    room = cap(1, produced, length, limits, drafted=True)  # a probe drafts one token
+    room = cap(1, state, limits, drafted=True)  # a probe drafts one token
     probe = room > 0 and not state.probe_pending and policy.probe_due()
     return RoundPlan(state, NO_DRAFT, side_k=int(probe), probe=probe, lookup_idle=lookup_idle)
 
 
-def side_k_for(plan: RoundPlan, block: Draft, limits: RoundLimits) -> int:
+def side_k_for(plan: RoundPlan, block: Draft, limits: ModelLimits) -> int:
     """Tokens the draft drafts beside the step that verifies `block`: the plan's (prefill, probe), or
     for a model block with overlap the guess of the bonus token plus the next round's K; 0 when no
     next round could use them."""
@@ -126,14 +117,13 @@ def side_k_for(plan: RoundPlan, block: Draft, limits: RoundLimits) -> int:
         return plan.side_k
     if state.constrained and any(t in limits.eos_token_ids for t in block.token_ids):
         return 0  # a block that may end the generation: a constrained draft cannot feed past its EOS
-    return _ahead(plan.next_k, state.produced, state.length, len(block.token_ids), limits)
+    return _ahead(plan.next_k, state, len(block.token_ids), limits)
 
 
-def _ahead(next_k: int, produced: int, length: int, block: int, limits: RoundLimits) -> int:
+def _ahead(next_k: int, state: RoundState, block: int, limits: ModelLimits) -> int:
     """A guess at the step's last token plus `next_k`, for a step verifying `block` tokens (0 when the
     next round could not use them)."""
-    after = block + 1  # if all accepted, plus the bonus token
-    k = cap(next_k, produced + after, length + after, limits, drafted=True, guess=1)
+    k = cap(next_k, state, limits, drafted=True, after=block + 1, guess=1)  # all accepted, plus the bonus
     return k + 1 if k >= 1 else 0
 
 

@@ -136,14 +136,10 @@ async def fetch_model_info(pool: ReplicaPool, timeout_s: float) -> common_pb2.Mo
         await asyncio.sleep(_INFO_POLL_S)
 
 
-def shares_cores(config: OrchestratorConfig, target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo | None) -> bool:
-    """Whether the draft's forwards take the cores the target's need: both on this host's CPU (the
-    replicas at one address), neither on a modeled device."""
-    if draft is None:
-        return False
-    on_cpu = all(info.device == "cpu" and not info.HasField("simulated_device") for info in (target, draft))
+def one_host(config: OrchestratorConfig) -> bool:
+    """Whether every target and draft replica is at one address (`dns:///` names: never known)."""
     hosts = {address.strip().rpartition(":")[0] for address in f"{config.target},{config.draft}".split(",") if address}
-    return on_cpu and len(hosts) == 1
+    return bool(config.draft) and len(hosts) == 1 and not any(h.startswith("dns:") for h in hosts)
 
 
 @dataclass
@@ -173,8 +169,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.byte_table = byte_table(tokenizer)  # byte-level BPE: text in constant time per token
         log.info("detokenizer", byte_table=self.byte_table is not None)
         self.availability = DraftAvailability(config.draft_retry_after_s)
-        self.times = StepTimes(target_info, draft.info if draft else None)
-        self.times.shared_cores = shares_cores(config, target_info, draft.info if draft else None)
+        self.times = StepTimes(target_info, draft.info if draft else None, one_host(config))
         self.sampler = BatchSampler()
         # With --workers, each worker admits its share.
         running = config.max_running_requests or target_info.max_sessions * max(1, len(target_pool.replicas))
@@ -260,7 +255,6 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 return
             self.draft.info = info
             self.times.set_draft(info)
-            self.times.shared_cores = shares_cores(self.config, self.target_info, info)
             log.info("draft_available", model=info.model)
 
     async def close(self) -> None:

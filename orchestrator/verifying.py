@@ -18,7 +18,7 @@ from orchestrator.logprobs import entries_from_wire, entry_from_row
 from orchestrator.metrics import DRAFT_ROWS, TARGET_DISAGREEMENTS
 from orchestrator.proposals import NO_DRAFT, Draft, Stats
 from orchestrator.rejection import CompactRound, Verdict, draw_uniforms, verify_greedy
-from orchestrator.requests import GenerationRequest, ModelLimits, StepFields
+from orchestrator.requests import StepFields
 from orchestrator.sampler import BatchSampler
 from orchestrator.upstream import Context, SessionStream
 from orchestrator.verdicts import TargetDisagreement, check_sampled
@@ -50,8 +50,6 @@ class Verifier:
     def __init__(
         self,
         target: TargetStream,
-        request: GenerationRequest,
-        limits: ModelLimits,
         fields: StepFields,
         stats: Stats,
         times: StepTimes | None,
@@ -59,17 +57,16 @@ class Verifier:
         drafter: Drafter,
     ) -> None:
         self.target = target
-        self.request = request
-        self.limits = limits
         self.fields = fields
+        self.request, self.limits = fields.request, fields.limits
         self.stats = stats
         self.times = times
         self.sampler = sampler
         self.drafter = drafter
-        self.generator = seeded_generator(request.seed)
+        self.generator = seeded_generator(self.request.seed)
         # The prompt's (None until the target's first step answers them; a one-token prompt has none).
         self.prompt_logprobs: list[orchestrator_pb2.TokenLogprob] | None = None
-        if request.prompt_logprobs is not None and len(request.prompt_token_ids) == 1:
+        if self.request.prompt_logprobs is not None and len(self.request.prompt_token_ids) == 1:
             self.prompt_logprobs = []
 
     async def verify(self, sequence: list[int], block: Draft, side: asyncio.Task[Draft] | None) -> Checked:

@@ -400,12 +400,12 @@ def test_an_in_process_call_reports_errors_as_grpc_would_and_ends_on_cancel():
     async def codes() -> list[Any]:
         seen = []
         for error in (ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "bad field"), RuntimeError("boom")):
-            call = InProcessCall(Servicer(error), orchestrator_pb2.GenerateRequest(), ())
+            call = InProcessCall(Servicer(error), orchestrator_pb2.GenerateRequest())
             assert (await anext(call)).token_ids == [1]
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await anext(call)
             seen.append((raised.value.code(), raised.value.details()))
-        call = InProcessCall(Servicer(None), orchestrator_pb2.GenerateRequest(), ())
+        call = InProcessCall(Servicer(None), orchestrator_pb2.GenerateRequest())
         await anext(call)
         call.cancel()
         await asyncio.wait_for(ended.wait(), 5)

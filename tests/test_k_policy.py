@@ -235,13 +235,18 @@ def test_a_draft_on_the_targets_cores_costs_every_session_waiting_on_the_target(
 
 def test_the_orchestrator_knows_when_the_draft_shares_the_targets_cores():
     from orchestrator.config import OrchestratorConfig
-    from orchestrator.servicer import shares_cores
+    from orchestrator.servicer import one_host
 
     cpu, gpu = common_pb2.ModelInfo(device="cpu"), common_pb2.ModelInfo(device="cuda:0")
     modeled = common_pb2.ModelInfo(device="cpu", simulated_device=common_pb2.SimulatedDevice(profile="h100"))
-    local = OrchestratorConfig(target="127.0.0.1:1", draft="127.0.0.1:2")
-    apart = OrchestratorConfig(target="10.0.0.1:1", draft="10.0.0.2:1")
-    assert shares_cores(local, cpu, cpu)
-    assert not shares_cores(apart, cpu, cpu)  # two machines
-    assert not shares_cores(local, gpu, gpu) and not shares_cores(local, cpu, modeled)
-    assert not shares_cores(local, cpu, None)
+    local = one_host(OrchestratorConfig(target="127.0.0.1:1", draft="127.0.0.1:2"))
+    assert local and not one_host(OrchestratorConfig(target="10.0.0.1:1", draft="10.0.0.2:1"))  # two machines
+    assert not one_host(OrchestratorConfig(target="dns:///target:1", draft="dns:///draft:1"))
+    assert not one_host(OrchestratorConfig(target="127.0.0.1:1"))
+    assert StepTimes(cpu, cpu, local).shared_cores
+    assert not StepTimes(cpu, cpu, False).shared_cores
+    assert not StepTimes(gpu, gpu, local).shared_cores and not StepTimes(cpu, modeled, local).shared_cores
+    times = StepTimes(cpu, None, local)
+    assert not times.shared_cores
+    times.set_draft(cpu)  # a draft that answers after start-up
+    assert times.shared_cores

@@ -8,13 +8,17 @@ import pytest
 
 from orchestrator.k_policy import FixedK, KPolicy
 from orchestrator.proposals import FORCED, MODEL, NGRAM, Draft
-from orchestrator.round_plan import RoundLimits, RoundState, cap, plan_round, side_k_for, still_valid
+from orchestrator.requests import ModelLimits
+from orchestrator.round_plan import RoundState, cap, plan_round, side_k_for, still_valid
 
-LIMITS = RoundLimits(
-    max_new_tokens=100, target_max_context=1000, draft_max_context=1000, draft_max_speculative_tokens=8,
-    eos_token_ids=frozenset({2}),
+LIMITS = ModelLimits(
+    vocab_size=64, target_max_context=1000, draft_max_context=1000, eos_token_ids=frozenset({2}),
+    draft_max_speculative_tokens=8,
 )  # fmt: skip
-STATE = RoundState(produced=10, length=50, request_k=4, greedy=True, drafting=True, overlap=True, constrained=False)
+STATE = RoundState(
+    produced=10, length=50, max_new_tokens=100, request_k=4, greedy=True, drafting=True, overlap=True,
+    constrained=False,
+)  # fmt: skip
 
 
 class Counting(FixedK):
@@ -58,11 +62,12 @@ def test_k_is_capped_so_no_round_overshoots(produced, length, k):
 
 
 def test_the_one_cap_holds_the_drafts_bounds():
-    assert cap(12, 10, 50, LIMITS, drafted=True) == 8  # the draft's bound on a step
-    assert cap(12, 10, 50, LIMITS, drafted=False) == 12  # a lookup's or grammar's block has no draft step
-    assert cap(12, 10, 50, LIMITS, drafted=True, guess=1) == 7  # the guess is drafted in the same step
-    assert cap(12, 10, 995, replace(LIMITS, draft_max_context=998), drafted=True) == 3
-    assert cap(4, 10, 50, LIMITS, drafted=True) == 4
+    assert cap(12, STATE, LIMITS, drafted=True) == 8  # the draft's bound on a step
+    assert cap(12, STATE, LIMITS, drafted=False) == 12  # a lookup's or grammar's block has no draft step
+    assert cap(12, STATE, LIMITS, drafted=True, guess=1) == 7  # the guess is drafted in the same step
+    assert cap(12, replace(STATE, length=995), replace(LIMITS, draft_max_context=998), drafted=True) == 3
+    assert cap(4, STATE, LIMITS, drafted=True) == 4
+    assert cap(12, STATE, LIMITS, drafted=False, after=85) == 4  # 5 tokens left after those 85
 
 
 def test_forced_tokens_come_first_and_cost_no_policy_call():
