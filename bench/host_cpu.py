@@ -36,7 +36,7 @@ from typing import Any
 
 import grpc
 
-from bench.compare import worktree
+from bench.compare import geomean, interval, worktree
 from bench.load import _process_cpu, metric_totals
 from bench.null_pair import build_null_pair
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -250,63 +250,53 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _paths(args: argparse.Namespace) -> int:
     """The OpenAI API's cost beside gRPC's: the same K = 0 requests through each path, interleaved."""
+    from bench.gateway import running_gateway
     from tools.local_stack import LOOPBACK, free_port
 
     pair = build_null_pair(args.out / "null_pair").resolve()
-    http_port, gateway_port = free_port(), free_port()
+    http_port = free_port()
     stack = LocalStack(
         str(pair / "target"), str(pair / "draft"), extra_service_args=["--threads", "1"],
         extra_orchestrator_args=["--http-port", str(http_port)], with_metrics=True,
         log_dir=args.out / "host-logs" / "paths",
     )  # fmt: skip
     rows: list[dict[str, Any]] = []
-    with stack:
-        gateway = subprocess.Popen(
-            [sys.executable, "-m", "http_gateway", "--orchestrator", stack.orchestrator_address, "--host", LOOPBACK,
-             "--port", str(gateway_port), "--log-level", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        try:
-            import httpx2 as httpx
+    with stack, running_gateway(stack.orchestrator_address) as (gateway_port, gateway_pid):
+        paths = {
+            "gRPC": ("", {}),
+            "HTTP in the orchestrator": (f"http://{LOOPBACK}:{http_port}", {}),
+            "HTTP gateway process": (f"http://{LOOPBACK}:{gateway_port}", {"gateway": gateway_pid}),
+        }
+        for rep in range(args.rounds):
+            for count in [int(s) for s in args.streams.split(",") if s]:
+                for name, (url, extra) in paths.items():
+                    cell = _cell(stack, count, 0, args.max_new_tokens, url, extra)
+                    rows.append({"round": rep, "streams": count, "path": name, **cell})
+            print(f"round {rep + 1} of {args.rounds} done", flush=True)
+    print("CPU regime, near-null pair, K = 0: medians over rounds; CPU µs per generated token; the last")
+    print("column is (orchestrator + gateway) / gRPC's orchestrator, paired by round: geometric mean [95% interval]\n")
+    print("| streams | path | tok/s | orchestrator | gateway | orchestrator + gateway | client | x gRPC |")
+    print("|---|---|---|---|---|---|---|---|")
 
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    if httpx.get(f"http://{LOOPBACK}:{gateway_port}/ready", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise SystemExit("the gateway did not start")
-                time.sleep(0.5)
-            paths = {
-                "gRPC": ("", {}),
-                "HTTP in the orchestrator": (f"http://{LOOPBACK}:{http_port}", {}),
-                "HTTP gateway process": (f"http://{LOOPBACK}:{gateway_port}", {"gateway": gateway.pid}),
-            }
-            for rep in range(args.rounds):
-                for count in [int(s) for s in args.streams.split(",") if s]:
-                    for name, (url, extra) in paths.items():
-                        cell = _cell(stack, count, 0, args.max_new_tokens, url, extra)
-                        rows.append({"round": rep, "streams": count, "path": name, **cell})
-                print(f"round {rep + 1} of {args.rounds} done", flush=True)
-        finally:
-            gateway.terminate()
-            gateway.wait(30)
-    print("CPU regime, near-null pair, K = 0: medians over rounds; CPU µs per generated token\n")
-    print("| streams | path | tok/s | orchestrator | gateway | orchestrator + gateway | client |")
-    print("|---|---|---|---|---|---|---|")
+    def host(row: dict[str, Any]) -> float:
+        return float(row["us_per_token"]["orchestrator"] + row["us_per_token"].get("gateway", 0.0))
+
     for count in sorted({r["streams"] for r in rows}):
+        grpc_by_round = {r["round"]: host(r) for r in rows if r["streams"] == count and r["path"] == "gRPC"}
         for name in ("gRPC", "HTTP in the orchestrator", "HTTP gateway process"):
             group = [r for r in rows if r["streams"] == count and r["path"] == name]
             med = {p: statistics.median(r["us_per_token"].get(p, 0.0) for r in group)
                    for p in ("orchestrator", "gateway", "client")}  # fmt: skip
-            both = statistics.median(
-                r["us_per_token"]["orchestrator"] + r["us_per_token"].get("gateway", 0.0) for r in group
-            )
+            ratios = {r["round"]: [host(r) / grpc_by_round[r["round"]]] for r in group}
+            low, high = interval(ratios) if len(ratios) > 1 else (float("nan"), float("nan"))
             speed = statistics.median(r["tokens_per_second"] for r in group)
             print(f"| {count} | {name} | {speed:,.0f} | {med['orchestrator']:,.0f} | {med['gateway']:,.0f} | "
-                  f"{both:,.0f} | {med['client']:,.0f} |")  # fmt: skip
+                  f"{statistics.median(host(r) for r in group):,.0f} | {med['client']:,.0f} | "
+                  f"{geomean([v[0] for v in ratios.values()]):.2f}x [{low:.2f}-{high:.2f}] |")  # fmt: skip
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    path = args.out / f"host-paths-{stamp}.json"
+    path.write_text(json.dumps({"meta": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))
+    print(f"\nresults: {path}")
     return 0
 
 
