@@ -232,7 +232,12 @@ class Generation:
         policy.observe(checked.verdict, block.forward_seconds, checked.target_seconds)
         if self.produced:  # the first round is the prompt's prefill
             policy.observe_wall(
-                len(block.token_ids), outcome.seconds, outcome.draft_wait, block.fed, block.forward_seconds_per_token
+                len(block.token_ids),
+                outcome.seconds,
+                outcome.draft_wait,
+                block.fed,
+                block.forward_seconds_per_token,
+                outcome.overlapped,
             )
 
     def _observe_probe(self, probe: Draft, checked: Checked) -> None:

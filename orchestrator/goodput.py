@@ -7,13 +7,19 @@ sessions sharing its forwards (the marginal goodput of TurboSpec and SmartSpec):
 
 - E(a, K) = (1 - a^(K+1)) / (1 - a): the tokens a round commits, at the request's own running
   acceptance estimate a.
-- R(K) = S + w + (beta + d) K (w only for K > 0): the request's round time at K. S is what its
-  rounds take beyond its own extra rows and its wait for the draft (measured per request: queueing, the network, the
+- R(K) = S + beta K + D(K): the request's round time at K. S is what its rounds take beyond its own
+  extra rows and its wait for the draft (measured per request: queueing, the network, the
   orchestrator, everyone else's rows); beta is what one more row adds to a target forward (the
-  service's start-up curve, scaled by live forwards against it); d is what the
-  draft's forwards take per drafted token (hidden beside a verify or not, they take the cores or the
-  device the draft shares); w is what the request's speculating rounds wait for the draft beyond its
-  forwards (the RPC and queue on its path, measured per request).
+  service's start-up curve, scaled by live forwards against it); D(K) = w + d K is the round's wait
+  for a block drafted now, where d is what the draft's forwards take per drafted token (hidden beside
+  a verify or not, they take the cores or the device the draft shares) and w what the request's
+  rounds wait for the draft beyond its forwards (the RPC and queue on its path, measured per request
+  on rounds that waited). A request that drafts ahead (overlapped drafting) finds its block drafted
+  beside the last step in the a^(K+1) of rounds after a block accepted whole with its bonus token
+  guessed; those wait only for what of that step (K + 1 tokens) outlasted the target's, so
+  D(K) = (1 - a^(K+1)) (w + d K) + a^(K+1) max(w + d (K + 1) - S - beta K, 0). Measured on the
+  modeled 8B/1B at one stream: rounds of 13.2, 15.9, 19.2 and 24.3 ms at fixed K = 2, 3, 4 and 6;
+  this predicts 13.4, 15.6, 18.6 and 24.2 with d fitted to the K = 2 round (docs/design.md).
 - X = (N beta + N_d beta_d) r / R: each of the N other sessions that wait on a target forward (those
   in it and those queued behind it, measured) waits beta per extra row, each of the N_d that wait on
   a draft forward beta_d per drafted token, and each loses tokens at about this request's rate r per
@@ -25,16 +31,24 @@ sessions sharing its forwards (the marginal goodput of TurboSpec and SmartSpec):
 Alone this is the K that maximises E / R. Under load on hardware where rows cost (a CPU, a GPU past
 its flat region) the X term brings K down, to 0 (the target alone) where drafting does not pay;
 where a forward costs the same for 1 row as for 64, X is near 0 and speculation stays. Other requests
-enter only through the measured step times. At K = 0 a round learns nothing of the acceptance, so
-every PROBE_EVERY rounds the draft proposes one token beside the target's step (a lookup proposes one
-in the round, where it costs nothing to propose): K comes back when the draft agrees again.
+enter only through the measured step times.
+
+J is flat near its best K and falls steeply past it, and a is an estimate over a few rounds: a K
+chosen at every swing of it wanders to long blocks that cost more than they earn (modeled 8B/1B, 16
+streams: K jumped from 2 to 16 after the first blocks accepted whole, and ran 0.74x fixed K = 2). So K
+rises one step a round, where one more token pays (J(K + 1) > J(K)) and only after a block accepted
+whole (the one evidence that a longer block would have been); it falls at once to the best K below.
+
+At K = 0 a round learns nothing of the acceptance, so every PROBE_EVERY rounds the draft proposes one
+token beside the target's step (a lookup proposes one in the round, where it costs nothing to
+propose): K comes back when the draft agrees again.
 """
 
 from __future__ import annotations
 
 import statistics
 
-from orchestrator.k_policy import CostModelK, FixedK, HeuristicK, KPolicy, expected_tokens
+from orchestrator.k_policy import CostModelK, FixedK, HeuristicK, KPolicy
 from orchestrator.rejection import Verdict
 from specdec.v1 import common_pb2
 
@@ -46,11 +60,6 @@ PRIOR_ACCEPTANCE = 0.8
 # Rounds at K = 0 before the first probe of the draft's agreement; each probe after which the request
 # stays at K = 0 doubles the wait for the next (a draft that does not agree costs ever less to watch).
 PROBE_EVERY = 8
-# A request moves to another K only for a predicted gain of this much (to K = 0 for any gain): J's
-# inputs follow every round's timing, and a batch whose requests each run a different K each round
-# runs slower than one at a common K (mixed widths cost the engine more forwards, and every return
-# from K = 0 a catch-up).
-SWITCH_GAIN = 1.25
 
 
 def _ewma(old: float | None, new: float) -> float:
@@ -141,14 +150,18 @@ class GoodputK(KPolicy):
 
     drafts_beside_prefill = True  # the draft prefills beside the target's prefill: the first token waits for neither
 
-    def __init__(self, initial_k: int, max_k: int, times: StepTimes, drafts_cost: bool = True) -> None:
+    def __init__(
+        self, initial_k: int, max_k: int, times: StepTimes, drafts_cost: bool = True, overlaps: bool = False
+    ) -> None:
         super().__init__(initial_k, max_k)
         self.times = times
         self.drafts_cost = drafts_cost
+        self.overlaps = overlaps  # the request drafts its next block beside each step
         self._accepted, self._trials = PRIOR_ACCEPTANCE, 1.0
         self._base: float | None = None  # S: a round's seconds beyond its own rows and draft wait
         self._latency = 0.0  # w: what a speculating round waits for the draft beyond its forwards
         self._k = min(initial_k, max_k)  # the last choice
+        self._whole = False  # the last block was accepted whole
         self._rounds_without_draft = 0
         self._probe_wait = PROBE_EVERY  # rounds at K = 0 before the next probe
 
@@ -156,9 +169,9 @@ class GoodputK(KPolicy):
     def acceptance_rate(self) -> float:
         return self._accepted / self._trials
 
-    def goodputs(self, acceptance: float | None = None) -> list[float]:
-        """J(K) for K = 0 .. max_k (empty before a round measured S), at the request's acceptance
-        estimate or at `acceptance`."""
+    def goodputs(self, acceptance: float | None = None, upto: int | None = None) -> list[float]:
+        """J(K) for K = 0 .. `upto` (default max_k; empty before a round measured S), at the request's
+        acceptance estimate or at `acceptance`."""
         # A new request starts from every request's S: its first round (the prefill, and the block
         # drafted beside it) is then chosen for the load there is, not for none.
         base = self._base if self._base is not None else self.times.base
@@ -176,32 +189,39 @@ class GoodputK(KPolicy):
                 crowd += times.target.others * draft
         rate = min(self.acceptance_rate if acceptance is None else acceptance, 0.99)
 
-        # One pass, each K's expected tokens from the last's (E(K) = E(K - 1) + a^K): this runs every
-        # round of every request, and at 32 streams its cost showed in the orchestrator's CPU.
-        latency, step = self._latency, beta + draft
-        now_k = self._k
-        now = max(base, 1e-6) + (latency if now_k else 0.0) + step * now_k
-        others = crowd * expected_tokens(rate, now_k) / now / now
-        goodputs, tokens, power = [], 1.0, 1.0
-        for k in range(self.max_k + 1):
-            if k:
-                power *= rate
-                tokens += power
-            goodputs.append(tokens / (max(base, 1e-6) + (latency if k else 0.0) + step * k) - others * k)
+        # Each K's expected tokens from the last's (E(K) = E(K - 1) + a^K): this runs every round of every
+        # request, and at 32 streams its cost showed in the orchestrator's CPU.
+        base, wait = max(base, 1e-6), self._latency
+        tokens, seconds, power = [1.0], [base], 1.0
+        for k in range(1, (self.max_k if upto is None else max(upto, self._k)) + 1):
+            power *= rate
+            tokens.append(tokens[-1] + power)
+            step, drafting = base + beta * k, wait + draft * k
+            if self.overlaps:
+                # The block was drafted beside the last step when that one was accepted whole and the
+                # draft guessed its bonus token (a^(K + 1) of rounds); that draft step, K + 1 tokens,
+                # ran beside the target's, and the round waits only for what outlasted it.
+                ahead = power * rate
+                drafting = (1.0 - ahead) * drafting + ahead * max(drafting + draft - step, 0.0)
+            seconds.append(step + drafting)
+        now = self._k
+        others = crowd * tokens[now] / seconds[now] / seconds[now]
+        goodputs = [t / r - others * k for k, (t, r) in enumerate(zip(tokens, seconds, strict=True))]
         return goodputs
 
     def next_k(self) -> int:
         if not self.drafts_cost and self._k == 0 and self._rounds_without_draft >= self._probe_wait:
             self._probe_wait *= 2
             return 1  # a lookup's probe: proposing costs nothing, verifying one more row little
-        goodputs = self.goodputs()
+        # K falls to the best of 0 .. K, and rises a step where one more token pays: J over 0 .. K + 1
+        # is all a round needs (17 values a round at max_k 16 cost about 9 µs of the orchestrator's CPU).
+        goodputs = self.goodputs(upto=min(self._k + 1, self.max_k))
         if goodputs:
-            best, now = max(range(len(goodputs)), key=goodputs.__getitem__), goodputs[self._k]
-            # To K = 0 without the gain: a draft that does not agree must not hold speculation on
-            # where its cost is a small part of the round (with in-process tiny models: always).
-            gain = 1.0 if best == 0 else SWITCH_GAIN
-            if goodputs[best] > now + (gain - 1) * max(now, 0.0):
+            best = max(range(self._k + 1), key=goodputs.__getitem__)
+            if best < self._k:
                 self._k = best
+            elif self._k < self.max_k and goodputs[self._k + 1] > goodputs[self._k] and (self._k == 0 or self._whole):
+                self._k += 1
         if self._k > 0:
             self._probe_wait = PROBE_EVERY
         return self._k
@@ -213,8 +233,8 @@ class GoodputK(KPolicy):
         last) costs the cores it may share with the target (measured at 32 co-located streams)."""
         if not (self.drafts_cost and self.max_k > 0 and self._rounds_without_draft >= self._probe_wait):
             return False
-        agreeing = self.goodputs(acceptance=1.0)
-        return not agreeing or max(agreeing[1:]) > agreeing[0]
+        agreeing = self.goodputs(acceptance=1.0, upto=1)
+        return not agreeing or agreeing[1] > agreeing[0]
 
     def observe_probe(self, acceptance: float | None) -> None:
         self._rounds_without_draft = 1  # the probe's round counts; a draft that did not answer is asked again
@@ -228,10 +248,17 @@ class GoodputK(KPolicy):
             return
         self._rounds_without_draft = 0
         self._probe_wait = PROBE_EVERY  # rounds at K = 0 before the next probe
+        self._whole = verdict.all_accepted
         self._learn(verdict.num_accepted, verdict.num_accepted + (0 if verdict.all_accepted else 1))
 
     def observe_wall(
-        self, k: int, seconds: float, draft_wait: float = 0.0, draft_fed: int = 0, draft_per_token: float = 0.0
+        self,
+        k: int,
+        seconds: float,
+        draft_wait: float = 0.0,
+        draft_fed: int = 0,
+        draft_per_token: float = 0.0,
+        overlapped: bool = False,
     ) -> None:
         """A round at K = k took `seconds`, `draft_wait` of them waiting for the draft; its block came
         from a draft step that fed `draft_fed` tokens and ran `draft_per_token` seconds of forwards per
@@ -246,8 +273,9 @@ class GoodputK(KPolicy):
         self.times.observe_base(base)
         if self.drafts_cost and k > 0 and draft_per_token > 0 and draft_fed <= self.max_k + 1:
             self.times.observe_draft_step(draft_per_token)
+        if self.drafts_cost and k > 0 and draft_per_token > 0 and draft_fed <= self.max_k + 1 and not overlapped:
             # The request's own wait for a draft step beyond its forwards: the draft's RPC and queue on
-            # this request's path, which K = 0 rounds do not pay.
+            # this request's path, which K = 0 rounds and rounds whose block was drafted ahead do not pay.
             self._latency = _ewma(self._latency, max(draft_wait - draft_per_token * k, 0.0))
 
     def _learn(self, accepted: float, trials: int) -> None:
@@ -255,10 +283,12 @@ class GoodputK(KPolicy):
         self._trials = DECAY * self._trials + trials
 
 
-def make_policy(name: str, initial_k: int, max_k: int, times: StepTimes, drafts_cost: bool = True) -> KPolicy:
+def make_policy(
+    name: str, initial_k: int, max_k: int, times: StepTimes, drafts_cost: bool = True, overlaps: bool = False
+) -> KPolicy:
     """The policy called `name` (one of serving.protocol.POLICIES); `drafts_cost` is False for the
-    prompt lookup's blocks, which cost nothing to propose."""
+    prompt lookup's blocks, which cost nothing to propose; `overlaps`: the request drafts ahead."""
     if name == "load_aware":
-        return GoodputK(initial_k, max_k, times, drafts_cost)
+        return GoodputK(initial_k, max_k, times, drafts_cost, overlaps)
     policies: dict[str, type[KPolicy]] = {"fixed": FixedK, "heuristic": HeuristicK, "cost_model": CostModelK}
     return policies[name](initial_k, max_k)

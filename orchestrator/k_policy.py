@@ -35,11 +35,18 @@ class KPolicy(abc.ABC):
         """Learn from a finished round (its verdict and the services' forward times); a no-op by default."""
 
     def observe_wall(  # noqa: B027
-        self, k: int, seconds: float, draft_wait: float = 0.0, draft_fed: int = 0, draft_per_token: float = 0.0
+        self,
+        k: int,
+        seconds: float,
+        draft_wait: float = 0.0,
+        draft_fed: int = 0,
+        draft_per_token: float = 0.0,
+        overlapped: bool = False,
     ) -> None:
         """A round at K = k took `seconds` of wall time, proposal to verdict, `draft_wait` of them waiting
         for the draft; its block came from a draft step that fed `draft_fed` tokens and took
-        `draft_per_token` seconds per drafted token. A no-op by default."""
+        `draft_per_token` seconds per drafted token (`overlapped`: beside the last step). A no-op by
+        default."""
 
     def probe_due(self) -> bool:
         """Whether this round, at K = 0, should ask the draft for one token beside the target's step,

@@ -490,7 +490,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             target,
             draft,
             self.availability,
-            make_policy(policy, initial_k, max_k, self.times),
+            make_policy(policy, initial_k, max_k, self.times, overlaps=request.overlap_drafting),
             self.times,
             lookup_policy,
             self.sampler,

@@ -81,17 +81,85 @@ def _run(policy: GoodputK, rounds: int, accepted_of: tuple[int, int] = (4, 4), s
         policy.observe_wall(k, wall, draft_wait=0.002 * k, draft_fed=accepted + 1, draft_per_token=0.002)
 
 
+def _round_seconds(policy: GoodputK, k: int) -> float:
+    """R(K) by hand, from the policy's estimates."""
+    times = policy.times
+    assert policy._base is not None and times.draft_per_token is not None
+    step = policy._base + times.target.row_seconds * k
+    drafting = policy._latency + times.draft_per_token * k
+    if not k or not policy.overlaps:
+        return step + drafting * (k > 0)
+    ahead = policy.acceptance_rate ** (k + 1)  # drafted beside the last step: K + 1 tokens beside this one's
+    return step + (1 - ahead) * drafting + ahead * max(drafting + times.draft_per_token - step, 0.0)
+
+
 def test_alone_it_maximises_tokens_per_second_of_its_rounds():
-    """With no other session in its forwards (B = 1), J(K) is E(a, K) / R(K)."""
-    times = _times(STEEP)
-    policy = GoodputK(2, 8, times)
-    _run(policy, 30, accepted_of=(3, 4))
-    goodputs = policy.goodputs()
-    rate, base = policy.acceptance_rate, policy._base
-    assert base is not None
-    alone = [expected_tokens(min(rate, 0.99), k) / (base + (times.target.row_seconds + 0.002) * k) for k in range(9)]
-    assert max(range(9), key=goodputs.__getitem__) == max(range(9), key=alone.__getitem__)
-    assert policy.next_k() > 0
+    """With no other session in its forwards (B = 1), J(K) is E(a, K) / R(K); where the request drafts
+    its next block beside each step, a round whose last block was accepted whole and whose bonus token
+    the draft guessed (a^(K+1) of them) waits only for what of that draft step outlasted the target's."""
+    for overlaps in (False, True):
+        policy = GoodputK(2, 8, _times(STEEP), overlaps=overlaps)
+        _run(policy, 30, accepted_of=(3, 4))
+        policy.observe_wall(2, 0.03, draft_wait=0.010, draft_fed=3, draft_per_token=0.002)  # waited 6 ms more
+        assert policy._latency > 0
+        alone = [expected_tokens(policy.acceptance_rate, k) / _round_seconds(policy, k) for k in range(9)]
+        assert all(abs(g - a) < 1e-9 * a for g, a in zip(policy.goodputs(), alone, strict=True))
+        assert policy.next_k() > 0
+
+
+def test_drafting_ahead_hides_a_draft_step_only_as_long_as_the_targets():
+    """Overlapped, a short block's draft step hides beside the target's and a long one's outlasts it:
+    the same request, draft and acceptance choose a shorter K where the draft is slow."""
+    chosen = []
+    for draft_per_token in (0.001, 0.006):
+        policy = GoodputK(2, 8, _times(FLAT), overlaps=True)
+        policy._k = 8
+        policy.observe_wall(0, 0.02)
+        policy.times.draft_per_token = draft_per_token
+        for _ in range(20):
+            policy.observe(_verdict(7, 8))
+        chosen.append(policy.next_k())
+        # Against a draft step hidden whole whenever the block was drafted ahead: longer rounds.
+        ahead, beta = policy.acceptance_rate**9, policy.times.target.row_seconds
+        hidden_whole = 0.02 + beta * 8 + (1 - ahead) * (policy._latency + draft_per_token * 8)
+        outlasts = 9 * draft_per_token > 0.02
+        assert (_round_seconds(policy, 8) > hidden_whole + 1e-6) == outlasts
+        assert (
+            abs(policy.goodputs()[8] * _round_seconds(policy, 8) / expected_tokens(policy.acceptance_rate, 8) - 1)
+            < 1e-9
+        )
+    assert chosen[1] < chosen[0]
+
+
+def test_k_rises_a_step_at_a_time_and_only_after_a_block_accepted_whole():
+    """The acceptance estimate of a few rounds is noisy, and J(K) at a high estimate favours a long
+    block: K grows one step per round, and only after the last block was accepted whole; it falls at
+    once (modeled 8B/1B at 16 streams: K jumped from 2 to 16 after the first blocks, 0.74x fixed K = 2)."""
+    policy = GoodputK(2, 8, _times(FLAT))
+    policy.observe_wall(0, 0.02)
+    chosen = []
+    for _ in range(4):
+        k = policy.next_k()
+        chosen.append(k)
+        policy.observe(_verdict(k, k))
+    assert chosen == [2, 3, 4, 5]
+    policy.observe(_verdict(4, 5))  # a rejection: no evidence for a longer block, though J wants one
+    assert max(range(9), key=policy.goodputs().__getitem__) > 5 and policy.next_k() == 5
+    for _ in range(30):  # the draft stops agreeing: K falls at once, not a step at a time
+        policy.observe(_verdict(0, max(policy.next_k(), 1)))
+    assert policy.next_k() == 0
+
+
+def test_the_drafts_wait_is_learnt_from_rounds_that_waited():
+    """A block drafted beside the last step costs its round no wait: such rounds say nothing of the
+    draft's RPC and queue on the request's path (w)."""
+    policy = GoodputK(2, 4, _times(FLAT), overlaps=True)
+    policy.observe_wall(2, 0.03, draft_wait=0.010, draft_fed=3, draft_per_token=0.002)
+    waited = policy._latency
+    assert waited > 0
+    for _ in range(10):
+        policy.observe_wall(2, 0.02, draft_wait=0.0, draft_fed=3, draft_per_token=0.002, overlapped=True)
+    assert policy._latency == waited
 
 
 def test_where_rows_cost_the_others_in_its_forward_it_falls_to_k0_and_comes_back():
