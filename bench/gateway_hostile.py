@@ -1,7 +1,9 @@
 """`python -m bench.gateway_hostile`: a good request's latency while one hostile client works on the gateway.
 
-The default pair behind the real gateway process. Each load runs alone (interleaved with the idle
-baseline, `--reps` times) while the same good request (greedy, 16 tokens, not streamed) is timed:
+The default pair behind the real gateway process (`--in-process`: the OpenAI API the orchestrator serves
+in its own process, `--http-port`, where a hostile client shares the process with the rounds). Each
+load runs alone (interleaved with the idle baseline, `--reps` times) while the same good request
+(greedy, 16 tokens, not streamed) is timed:
 - 4 clients sending 50 MB bodies as fast as loopback takes them;
 - 200 connections sending a request header a byte every half second;
 - JSON nested 100,000 deep, posted in a loop;
@@ -17,6 +19,7 @@ services and the gateway, so part of any slowdown is theirs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import socket
 import statistics
@@ -32,7 +35,7 @@ import psutil
 from bench.gateway import running_gateway
 from http_gateway.limits import default_max_body_bytes
 from serving.protocol import MAX_PROMPT_CHARS_PER_TOKEN
-from tools.local_stack import DEFAULT_PAIR, LOOPBACK, LocalStack
+from tools.local_stack import DEFAULT_PAIR, LOOPBACK, LocalStack, free_port
 
 GOOD = {"prompt": "def fibonacci(n):", "max_tokens": 16, "temperature": 0}
 Load = Callable[[int, threading.Event], None]
@@ -129,13 +132,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--requests", type=int, default=8, help="good requests timed per load and repetition")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="the OpenAI API in the orchestrator's process (--http-port), not the separate gateway",
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     times: dict[str, list[float]] = {}
-    with (
-        LocalStack(str(DEFAULT_PAIR / "target"), str(DEFAULT_PAIR / "draft")) as stack,
-        running_gateway(stack.orchestrator_address) as (port, pid),
-    ):
+    with contextlib.ExitStack() as running:
+        if args.in_process:
+            port = free_port()
+            stack = running.enter_context(
+                LocalStack(
+                    str(DEFAULT_PAIR / "target"),
+                    str(DEFAULT_PAIR / "draft"),
+                    extra_orchestrator_args=["--http-port", str(port)],
+                )
+            )
+            pid = stack.pids["orchestrator"]
+        else:
+            stack = running.enter_context(LocalStack(str(DEFAULT_PAIR / "target"), str(DEFAULT_PAIR / "draft")))
+            port, pid = running.enter_context(running_gateway(stack.orchestrator_address))
         url = f"http://{LOOPBACK}:{port}"
         context = int(httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["specdec"]["max_context"])
         loads = _loads(port, context)
@@ -160,9 +178,16 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name, row in report.items():
         print(f"{name:30s} good request median {row['median_ms']:7.1f} ms  {row['ratio']:.2f}x idle")
-    print(f"gateway RSS: {rss_before:.0f} MB before the loads, {rss_after:.0f} MB after")
-    result = {"loads": report, "rss_mb": {"before": rss_before, "after": rss_after}, "reps": args.reps}
-    (args.out / "gateway-hostile-latest.json").write_text(json.dumps(result, indent=1))
+    where = "orchestrator (in-process API)" if args.in_process else "gateway"
+    print(f"{where} RSS: {rss_before:.0f} MB before the loads, {rss_after:.0f} MB after")
+    result = {
+        "loads": report,
+        "rss_mb": {"before": rss_before, "after": rss_after},
+        "reps": args.reps,
+        "in_process": args.in_process,
+    }
+    name = "gateway-hostile-in-process-latest.json" if args.in_process else "gateway-hostile-latest.json"
+    (args.out / name).write_text(json.dumps(result, indent=1))
     return 0
 
 

@@ -318,3 +318,17 @@ def test_the_orchestrator_knows_when_the_draft_shares_the_targets_cores():
     assert not times.shared_cores
     times.set_draft(cpu)  # a draft that answers after start-up
     assert times.shared_cores
+
+
+def test_k_leaves_0_only_for_a_clear_gain():
+    """A return from K = 0 costs a catch-up and puts the request's rounds out of step with the others':
+    a draft that agrees a little (here J(1) about 1.1 J(0)) keeps the request at K = 0."""
+    policy = GoodputK(0, 4, _times(FLAT))
+    policy.observe_wall(0, 0.02)
+    policy.times.draft_per_token = 0.002
+    policy._accepted, policy._trials = 0.3, 1.0
+    goodputs = policy.goodputs()
+    assert goodputs[0] < goodputs[1] < 1.25 * goodputs[0]
+    assert policy.next_k() == 0
+    policy._accepted = 0.9
+    assert policy.next_k() == 1

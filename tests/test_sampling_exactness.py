@@ -321,9 +321,7 @@ class WallTimes(FixedKBesidePrefill):
         super().__init__(k, k)
         self.walls: list[float] = []
 
-    def observe_wall(
-        self, k: int, seconds: float, draft_wait: float = 0.0, draft_fed: int = 0, draft_per_token: float = 0.0
-    ) -> None:
+    def observe_wall(self, k: int, seconds: float, *args: Any, **kwargs: Any) -> None:
         self.walls.append(seconds)
 
 
