@@ -229,7 +229,7 @@ class GoodputK(KPolicy):
                 self._k = best
             elif self._k < self.max_k and (self._k == 0 or self._whole):
                 gain = LEAVE_ZERO_GAIN if self._k == 0 else 1.0
-                self._k += goodputs[self._k + 1] > gain * goodputs[self._k]
+                self._k += int(goodputs[self._k + 1] > gain * goodputs[self._k])
         if self._k > 0:
             self._probe_wait = PROBE_EVERY
         return self._k
