@@ -25,6 +25,8 @@ def configure_logging(level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write per line: with unbuffered streams (PYTHONUNBUFFERED, as the image sets) print() writes
+        # the line and its newline apart, and the lines of processes sharing stderr (--workers) ran together.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
