@@ -140,19 +140,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     times: dict[str, list[float]] = {}
+    in_process_port = free_port() if args.in_process else 0
     with contextlib.ExitStack() as running:
-        if args.in_process:
-            port = free_port()
-            stack = running.enter_context(
-                LocalStack(
-                    str(DEFAULT_PAIR / "target"),
-                    str(DEFAULT_PAIR / "draft"),
-                    extra_orchestrator_args=["--http-port", str(port)],
-                )
+        stack = running.enter_context(
+            LocalStack(
+                str(DEFAULT_PAIR / "target"),
+                str(DEFAULT_PAIR / "draft"),
+                extra_orchestrator_args=["--http-port", str(in_process_port)] if args.in_process else [],
             )
-            pid = stack.pids["orchestrator"]
+        )
+        if args.in_process:
+            port, pid = in_process_port, stack.pids["orchestrator"]
         else:
-            stack = running.enter_context(LocalStack(str(DEFAULT_PAIR / "target"), str(DEFAULT_PAIR / "draft")))
             port, pid = running.enter_context(running_gateway(stack.orchestrator_address))
         url = f"http://{LOOPBACK}:{port}"
         context = int(httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["specdec"]["max_context"])
