@@ -10,7 +10,7 @@ PAIR ?= default_models/pair
 PROMPT ?= def fibonacci(n):
 HOST ?= 127.0.0.1
 
-.PHONY: setup proto lint test test-long matrix run bench load-bench compare-bench host-bench link-bench prefix-bench gpu-bench sim-bench guidellm-bench soak wheel image python-base image-test models evaluate clean
+.PHONY: setup proto lint test test-long matrix run bench load-bench compare-bench host-bench link-bench prefix-bench gpu-bench sim-bench speculation-bench guidellm-bench soak wheel image python-base image-test models evaluate clean
 
 setup: $(INSTALLED) $(GENERATED)
 
@@ -100,6 +100,10 @@ gpu-bench: setup
 # hour). QUICK=1 for a development run of a few minutes.
 sim-bench: setup
 	$(PY) -m bench.sim $(if $(QUICK),--quick,)
+
+# The speculation cache's hit rate on the trained default pair, one stream (clock-free counts).
+speculation-bench: setup
+	$(PY) -m bench.speculation
 
 # guidellm (the vLLM project's load tool) against the gateway: synthetic prompts with ignore_eos, every request
 # must complete (bench/guidellm.py). guidellm pins its own stack, so it gets a virtual environment of its own.

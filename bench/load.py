@@ -69,6 +69,7 @@ class LoadSample:
     probe_rounds: int = 0  # K = 0 rounds that asked the draft for one token beside the target's step
     rounds: int = 0  # target session steps, over all requests
     draft_rounds: int = 0  # of them, rounds that verified a drafted block
+    overlapped_rounds: int = 0  # of those, rounds whose block was drafted ahead, during the last verify
     wire_bytes: int = 0  # messages exchanged with the model services, over all requests
     other_ms_per_round: list[float] = field(default_factory=list)  # per request: wall outside the forwards
     cpu_seconds: dict[str, float] = field(default_factory=dict)  # by process, over the run
@@ -102,6 +103,7 @@ async def _client(
                 stats = message.stats
                 sample.rounds += stats.rounds
                 sample.draft_rounds += stats.draft_rounds
+                sample.overlapped_rounds += stats.overlapped_rounds
                 sample.wire_bytes += stats.wire_bytes
                 if stats.rounds:
                     outside = stats.total_seconds - stats.target_seconds - stats.draft_seconds
@@ -324,16 +326,16 @@ def _process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def metric_totals(port: int, name: str) -> dict[str, float]:
-    """A counter's (or a histogram's `_sum`) value by service label so far, from a Prometheus port."""
+def metric_totals(port: int, name: str, label: str = "service") -> dict[str, float]:
+    """A counter's (or a histogram's `_sum`) value by one of its labels so far, from a Prometheus port."""
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     totals: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith(name + "{"):
-            service = line.split('service="')[1].split('"')[0]
-            totals[service] = float(line.rsplit(" ", 1)[1])
+            value = line.split(f'{label}="')[1].split('"')[0]
+            totals[value] = totals.get(value, 0.0) + float(line.rsplit(" ", 1)[1])  # summed over other labels
     return totals
 
 

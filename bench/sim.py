@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -55,14 +56,18 @@ TARGET_ALONE = "target alone (K = 0)"
 @dataclass(frozen=True)
 class SimConfig:
     load: LoadConfig
-    draft: str  # "draft" (agreeing) or "unrelated"
+    draft: str  # the stack: "draft" (agreeing), NO_CACHE (the same draft without a speculation cache), "unrelated"
 
 
+NO_CACHE = "draft, no speculation cache"
+CACHE_OFF = ", cache off"  # a configuration's name with this suffix: the same without the speculation cache
 CONFIGS = [
     SimConfig(LoadConfig(TARGET_ALONE, "services", 0), "draft"),
     SimConfig(LoadConfig("load_aware", "services", None, "load_aware"), "draft"),
+    SimConfig(LoadConfig("load_aware" + CACHE_OFF, "services", None, "load_aware"), NO_CACHE),
     SimConfig(LoadConfig("fixed K = 2", "services", 2), "draft"),
     SimConfig(LoadConfig("fixed K = 4", "services", 4), "draft"),
+    SimConfig(LoadConfig("fixed K = 4" + CACHE_OFF, "services", 4), NO_CACHE),
     SimConfig(LoadConfig("load_aware, unrelated draft", "services", None, "load_aware"), "unrelated"),
 ]
 PROFILES = {  # name: (target profile, draft profile)
@@ -95,6 +100,8 @@ class Cell:
     forwards: dict[str, float]  # by service
     overruns: dict[str, float]
     mean_context: float
+    overlapped_rounds: int = 0  # rounds whose block was drafted ahead (a speculation-cache hit, or the side step's)
+    speculation: dict[str, float] = field(default_factory=dict)  # the draft's cache: hit, miss, used, wasted
     token_ids: list[list[int]] = field(default_factory=list)
 
     @property
@@ -125,6 +132,13 @@ def _usage(stack: LocalStack) -> dict[str, float]:
             ("overruns", "specdec:simulated_overrun_forwards_total"),
         ):
             usage[f"{key}:{service}"] = metric_totals(port, metric).get(service, 0.0)
+    draft_port = stack.metrics_ports["draft"]
+    for metric, label in (
+        ("specdec:speculation_steps_total", "outcome"),
+        ("specdec:speculation_drafted_tokens_total", "use"),
+    ):
+        for value, total in metric_totals(draft_port, metric, label).items():
+            usage[f"speculation:{value}"] = total
     return usage
 
 
@@ -143,7 +157,7 @@ def run_cell(
     )
     client = time.process_time() - client_before
     after = _usage(stack)
-    delta = {key: after[key] - before[key] for key in after}
+    delta = {key: after[key] - before.get(key, 0.0) for key in after}
     out = max(1, sample.tokens)
     cpu = {
         name: 1e6 * (delta[f"cpu:{name}"] - delta.get(f"stand_in:{name}", 0.0)) / out
@@ -154,7 +168,9 @@ def run_cell(
         where[0], where[1], streams, config.load.name, rep, sample.tokens, sample.seconds, sample.rounds,
         sample.draft_rounds, sample.draft_tokens, sample.accepted_tokens, sample.ttft, sample.itl, cpu,
         {s: delta[f"forwards:{s}"] for s in SERVICES}, {s: delta[f"overruns:{s}"] for s in SERVICES},
-        statistics.mean(len(p) for p in prompts) + tokens / 2, sample.token_ids,
+        statistics.mean(len(p) for p in prompts) + tokens / 2, sample.overlapped_rounds,
+        {k.removeprefix("speculation:"): v for k, v in delta.items() if k.startswith("speculation:")},
+        sample.token_ids,
     )  # fmt: skip
 
 
@@ -177,6 +193,18 @@ class Clock:
         draft = k * self.draft.seconds([(context, 1)] * rows, self.draft_kernels, windowed=False)
         verify = self.target.seconds([(context, round(k) + 1)] * rows, self.target_kernels, windowed=False)
         return rows * per_round / (draft + verify)
+
+    def cache_bound(self, cell: Cell, ready: float, ready_off: float) -> float:
+        """The most a speculation cache can gain over drafting ahead for whole blocks alone: a round's
+        modeled time (T_t + (1 - h) K T_d) with the cell's share of blocks drafted ahead h, against the
+        same with the share `ready_off` of the cache-off cell."""
+        if not cell.draft_rounds:
+            return 0.0
+        rows, context = cell.streams, int(cell.mean_context)
+        k = cell.draft_tokens / cell.draft_rounds
+        draft = self.draft.seconds([(context, 1)] * rows, self.draft_kernels, windowed=False)
+        verify = self.target.seconds([(context, round(k) + 1)] * rows, self.target_kernels, windowed=False)
+        return (verify + (1 - ready_off) * k * draft) / (verify + (1 - ready) * k * draft)
 
 
 def clock_of(address: str) -> Clock:
@@ -218,6 +246,7 @@ def summarise(cells: list[Cell], clock_by_profile: dict[str, Clock]) -> list[dic
         device_us_per_token = 1e6 / ideal
         drafted = sum(c.draft_tokens for c in runs)
         low, high = interval(ratios) if len(ratios) > 1 else (0.0, 0.0)
+        cache = _cache_figures(runs, by, clock)
         rows.append(
             {
                 "profile": profile, "context": context, "streams": streams, "config": config,
@@ -233,9 +262,63 @@ def summarise(cells: list[Cell], clock_by_profile: dict[str, Clock]) -> list[dic
                 "projection": min(1.0, *(device_us_per_token / max(1e-9, v) for v in cpu.values())),
                 "overrun_share": overruns,
                 "valid": overruns["target"] <= OVERRUN_LIMIT,
+                **cache,
             }
         )  # fmt: skip
     return rows
+
+
+def _cache_figures(runs: list[Cell], by: dict[tuple[Any, ...], Cell], clock: Clock) -> dict[str, Any]:
+    """The speculation cache's figures for a configuration's runs: its hit rate (of the draft steps of
+    sessions with blocks drafted ahead), the share of rounds whose block was ready, tokens drafted ahead
+    per generated token, and, beside its cache-off twin, the paired ratio and the bound at the share
+    measured (`Clock.cache_bound`)."""
+    steps = sum(c.speculation.get("hit", 0.0) + c.speculation.get("miss", 0.0) for c in runs)
+    ahead = sum(c.speculation.get("used", 0.0) + c.speculation.get("wasted", 0.0) for c in runs)
+    draft_rounds = sum(c.draft_rounds for c in runs)
+    figures: dict[str, Any] = {
+        "hit_rate": sum(c.speculation.get("hit", 0.0) for c in runs) / steps if steps else None,
+        "ready_share": sum(c.overlapped_rounds for c in runs) / draft_rounds if draft_rounds else None,
+        "ahead_tokens_per_token": ahead / max(1, sum(c.tokens for c in runs)) if steps else None,
+    }
+    twins = {
+        c.round: twin
+        for c in runs
+        if (twin := by.get((c.profile, c.context, c.streams, c.config + CACHE_OFF, c.round))) and twin.tokens_per_second
+    }
+    if not twins:
+        return figures
+    ratios = {r: [c.tokens_per_second / twins[r].tokens_per_second] for c in runs if (r := c.round) in twins}
+    twin_rounds = sum(t.draft_rounds for t in twins.values())
+    ready_off = sum(t.overlapped_rounds for t in twins.values()) / twin_rounds if twin_rounds else 0.0
+    bounds = [clock.cache_bound(c, c.overlapped_rounds / max(1, c.draft_rounds), ready_off) for c in runs]
+    figures.update(
+        x_cache_off=geomean([r for rs in ratios.values() for r in rs]),
+        x_cache_off_95=list(interval(ratios)) if len(ratios) > 1 else [0.0, 0.0],
+        cache_bound=statistics.median(bounds),
+        ready_share_cache_off=ready_off,
+    )
+    return figures
+
+
+def cache_table(rows: list[dict[str, Any]]) -> str:
+    """The speculation cache against its cache-off twins."""
+    lines = [
+        "| profile | context | B | config | x cache off (95%) | bound | hit rate | ready: on / off "
+        "| drafted ahead / token |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        if "x_cache_off" not in r:
+            continue
+        low, high = r["x_cache_off_95"]
+        lines.append(
+            f"| {r['profile']} | {r['context']} | {r['streams']} | {r['config']} | {r['x_cache_off']:.2f} "
+            f"({low:.2f}-{high:.2f}) | {r['cache_bound']:.2f} | {r['hit_rate'] or 0:.2f} "
+            f"| {r['ready_share'] or 0:.2f} / {r['ready_share_cache_off']:.2f} "
+            f"| {r['ahead_tokens_per_token'] or 0:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -296,13 +379,14 @@ def stack_for(
     folder: Path, draft: str, target_profile: str, draft_profile: str, log_dir: Path, pinned: bool
 ) -> LocalStack:
     common = ["--threads", "1", "--max-batch-size", "128", "--max-sessions", "256", "--max-cached-tokens", "600000"]
+    no_cache = ["--speculation-cache-tokens", "0"] if draft == NO_CACHE else []
     return LocalStack(
         str(folder / "target"),
-        str(folder / draft),
+        str(folder / ("draft" if draft == NO_CACHE else draft)),
         extra_service_args=common,
         role_args={
             "target": ["--simulated-device", target_profile],
-            "draft": ["--simulated-device", draft_profile],
+            "draft": ["--simulated-device", draft_profile, *no_cache],
         },
         extra_orchestrator_args=["--max-running-requests", "256"],
         with_metrics=True,
@@ -326,8 +410,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="pinned: the target on a core of its own, the rest (draft, orchestrator, clients) on the other, so "
         "that the target's stand-in forwards keep to the modeled clock; shared: every process on every core",
     )
+    parser.add_argument(
+        "--configs", default="", help="only these configurations, separated by ';' (the target alone always runs)"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
+    chosen = {name.strip() for name in args.configs.split(";") if name.strip()}
+    unknown = chosen - {c.load.name for c in CONFIGS}
+    if unknown:
+        parser.error(f"--configs: unknown {sorted(unknown)}; choose from {[c.load.name for c in CONFIGS]}")
+    configs = [c for c in CONFIGS if not chosen or c.load.name in chosen or c.load.name == TARGET_ALONE]
     if args.quick:
         args.profiles, args.streams, args.contexts, args.rounds, args.max_new_tokens = "8b", "1,16,64", "short", 2, 32
     args.out.mkdir(parents=True, exist_ok=True)
@@ -342,16 +434,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     for profile in args.profiles.split(","):
         target_profile, draft_profile = PROFILES[profile]
         logs = args.out / "logs"
-        stacks = {d: stack_for(folder, d, target_profile, draft_profile, logs / f"sim-{profile}-{d}", pinned)
-                  for d in ("draft", "unrelated")}  # fmt: skip
-        with stacks["draft"], stacks["unrelated"]:
+        stacks = {d: stack_for(folder, d, target_profile, draft_profile, logs / f"sim-{profile}-{_log_name(d)}", pinned)
+                  for d in dict.fromkeys(c.draft for c in configs)}  # fmt: skip
+        with contextlib.ExitStack() as running:
+            for stack in stacks.values():
+                running.enter_context(stack)
             clocks[profile] = clock_of(stacks["draft"].orchestrator_address)
             for context in args.contexts.split(","):
                 for rep in range(args.rounds + 1):  # round 0 warms every cell up, unmeasured
                     for b in streams:
                         prompts = prompts_for(tokenizer, context, max(2 * b, 8))
                         shift = rep + streams.index(b)
-                        for config in CONFIGS[shift % len(CONFIGS) :] + CONFIGS[: shift % len(CONFIGS)]:
+                        for config in configs[shift % len(configs) :] + configs[: shift % len(configs)]:
                             cell = run_cell(
                                 stacks[config.draft], config, prompts, b, rep, args.max_new_tokens, (profile, context)
                             )
@@ -361,6 +455,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = summarise(cells, clocks)
     print("\nMODELED device time (bench/sim.py; not measured on a GPU)\n")
     print(table(rows))
+    print("\nThe speculation cache against the same configuration without it (MODELED)\n")
+    print(cache_table(rows))
     differing = _differing(cells)
     print(f"\ngreedy outputs identical to the target alone: {'yes' if not differing else f'NO ({differing} requests)'}")
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
@@ -374,6 +470,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / "sim-latest.json").write_text(json.dumps(record, indent=1))
     print(f"plot: {plot(rows, args.out)}")
     return 1 if differing else 0
+
+
+def _log_name(draft: str) -> str:
+    return "draft-no-cache" if draft == NO_CACHE else draft
 
 
 def _differing(cells: list[Cell]) -> int:

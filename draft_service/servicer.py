@@ -7,25 +7,28 @@ orchestrator fetches the one a rejection needs (`RowFetch`, answered at once on 
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from concurrent.futures import Future
 from typing import Any
 
 import grpc
 import structlog
 import torch
 
+from draft_service.jobs import DraftJob, GuessingDraftJob
 from draft_service.lean import LeanDraft
+from draft_service.speculation import GUESSES, SpeculationCache
 from model_host.config import ModelServiceConfig
 from model_host.engine import Job
 from model_host.forward import Forward
 from model_host.loading import LoadedModel
 from model_host.session_servicer import SessionServicer
 from model_host.sessions import Session
-from serving.constraints import SessionConstraint, TokenBan, mask_logits
+from serving.constraints import SessionConstraint, TokenBan
 from serving.errors import invalid_argument
-from serving.logits import logits_to_probs, rows_to_wire, sample_index
+from serving.logits import rows_to_wire
 from serving.sampling import SamplingParams, seeded_generator
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -33,78 +36,6 @@ SERVICE_NAME = "specdec.v1.DraftService"
 log = structlog.get_logger(__name__)
 # A fetch asks for a row of the step just verified, while the step drafted beside it may have ended.
 _STEPS_HELD = 2
-
-
-def choose_token(
-    logits: torch.Tensor,  # [vocab]
-    params: SamplingParams,
-    generator: torch.Generator,
-    need_confidence: bool,
-) -> tuple[int, torch.Tensor | None, float]:
-    """The draft's next token, the exact row it was sampled from ([vocab]; None for greedy), and the
-    draft's probability of it (1.0 for greedy unless `need_confidence`)."""
-    if params.greedy:
-        token = int(logits.argmax())
-        confidence = float(logits.float().softmax(-1)[token]) if need_confidence else 1.0
-        return token, None, confidence
-    probs = logits_to_probs(logits[None], params)[0]  # [vocab]
-    # Inverse CDF: torch.multinomial costs 4.8 ms a token over 128k tokens on one core (this, 0.7 ms with
-    # the softmax), which was most of a sampled draft's time per token at Llama 3's vocabulary.
-    uniform = torch.rand(1, generator=generator, dtype=torch.float64, device=generator.device)
-    token = int(sample_index(probs, uniform))
-    return token, probs, float(probs[token])
-
-
-@dataclass(eq=False)
-class DraftJob(Job):
-    """Feed the new tokens, then draft: each engine iteration samples one token and feeds it back,
-    until K tokens (the last is never fed), an EOS, or the draft's confidence falls below
-    min_confidence. K = 0 keeps the next token's logits and drafts nothing. Under a structured output
-    each row is masked by the session's constraint, advanced by each token drafted."""
-
-    params: SamplingParams = field(default_factory=SamplingParams)
-    num_speculative_tokens: int = 1
-    min_confidence: float = 0.0
-    generator: torch.Generator | None = None
-    constraint: SessionConstraint | None = None
-    ban: TokenBan | None = None  # min_tokens' masks, as the target applies them
-    position: int = 0  # the sequence position the next row scores
-    vocab_limit: int = 0  # propose only ids below this (a draft wider than its target); 0: all
-    token_ids: list[int] = field(default_factory=list)  # [k] drafted so far
-    token_probs: list[float] = field(default_factory=list)  # [k] q(x); sampling only
-    rows: list[torch.Tensor] = field(default_factory=list)  # k logit rows of [vocab]; sampling only
-
-    def advance(self, logits: torch.Tensor) -> list[int] | None:
-        assert self.generator is not None
-        row = logits[-1]  # [vocab]
-        constraint = self.constraint
-        allowed = constraint.allowed()[None] if constraint is not None else None  # [1, vocab]
-        if self.ban is not None:
-            allowed = self.ban.restrict(allowed, [self.position], row.shape[-1])
-        if 0 < self.vocab_limit < row.shape[-1]:
-            if allowed is None:
-                allowed = torch.ones((1, row.shape[-1]), dtype=torch.bool)
-            allowed[:, self.vocab_limit :] = False
-        self.position += 1
-        if allowed is not None:
-            row = mask_logits(row[None], allowed)[0]  # a new tensor: no clone needed
-        elif not self.params.greedy:
-            row = row.clone()  # a view would keep the whole batch's logits alive
-        if not self.params.greedy:
-            self.rows.append(row)
-        if self.num_speculative_tokens == 0:
-            return None
-        token, probs, confidence = choose_token(row, self.params, self.generator, self.min_confidence > 0)
-        self.token_ids.append(token)
-        if probs is not None:
-            self.token_probs.append(float(probs[token]))
-        if len(self.token_ids) == self.num_speculative_tokens or confidence < self.min_confidence:
-            return None
-        if constraint is not None:
-            if constraint.is_eos(token):
-                return None  # the generation would end here: nothing to draft past it
-            constraint.consume(token)
-        return [token]
 
 
 class DraftServicer(
@@ -120,6 +51,17 @@ class DraftServicer(
         # session id -> (its steps so far, its last steps' (step number, params, [k, vocab] logit rows))
         self._rows: dict[str, tuple[int, deque[tuple[int, SamplingParams, torch.Tensor]]]] = {}
         super().__init__(loaded, config)
+        self.speculation: SpeculationCache | None = None  # blocks drafted ahead (draft_service/speculation.py)
+        if config.speculation_cache_tokens and self.engine.forward.batched:
+            self.speculation = SpeculationCache(
+                self.engine,
+                config.speculation_cache_tokens,
+                config.max_batch_size,
+                self.draft_job,
+                config.max_speculative_tokens,
+                loaded.max_context,
+                fans_out=loaded.device_name != "cpu" or bool(config.simulated_device),
+            )
 
     def make_forward(self) -> Forward:
         if self.config.lean_draft:
@@ -152,9 +94,21 @@ class DraftServicer(
         TokenBan.from_proto(request.ban, self.loaded.vocab_size)
 
     def make_job(self, slot: int, request: draft_pb2.DraftRequest, constraint: SessionConstraint | None) -> Job:
+        return self.draft_job(slot, request, constraint)
+
+    def draft_job(
+        self,
+        slot: int,
+        request: draft_pb2.DraftRequest,
+        constraint: SessionConstraint | None,
+        guessing: bool = False,
+    ) -> DraftJob:
+        """The step's job; `guessing`: a block drafted ahead for a whole block accepted, which guesses
+        the bonus token before drafting (draft_service/speculation.py)."""
         if constraint is not None:
             constraint.feed(request.append_token_ids, request.keep)  # committed tokens: allowed
-        return DraftJob(
+        job_type = GuessingDraftJob if guessing else DraftJob
+        job = job_type(
             slot,
             request.keep,
             list(request.append_token_ids),
@@ -168,15 +122,44 @@ class DraftServicer(
             position=request.keep + len(request.append_token_ids),
             vocab_limit=request.vocab_limit,
         )
+        cache = self.speculation
+        if cache is not None and (guessing or _speculates(request)):
+            # Its session's next step follows the target's verify, not this answer: the engine does not
+            # hold a forward for it. The cache needs each position's likeliest tokens when it fans out.
+            job.comes_straight_back = False
+            job.alternatives = GUESSES if cache.fans_out else 0
+        return job
+
+    def drafted_ahead(self, session: Session, request: draft_pb2.DraftRequest) -> tuple[Job, Future[Any]] | None:
+        if self.speculation is None:
+            return None
+        entry = self.speculation.take(session, request)
+        if entry is None:
+            return None
+        return entry.job, self.speculation.settle(session, entry)
 
     def respond(self, job: Job, request: draft_pb2.DraftRequest, session: Session) -> draft_pb2.DraftResponse:
         assert isinstance(job, DraftJob)
+        speculated = job.speculative
+        k = request.num_speculative_tokens
+        if speculated:
+            # Its forwards' time for the tokens it answers with, as a step drafting them would report:
+            # not its guess's forward, nor those of tokens past this step's K.
+            job.forward_seconds *= min(k, len(job.token_ids)) / max(1, job.rows_scored)
+        if speculated and len(job.token_ids) > k:  # drafted ahead with a larger K: its first k are this step's
+            job.start -= len(job.token_ids) - k  # the tokens past them stay cached, as a rollback would crop
+            for drafted in (job.token_ids, job.token_probs, job.rows, job.confidences, job.likely):
+                del drafted[k:]
         response = draft_pb2.DraftResponse(
             result=common_pb2.SESSION_RESULT_OK,
             draft_token_ids=job.token_ids,
             draft_token_probs=job.token_probs,
             cached_tokens=job.start,
+            speculated=speculated,
         )
+        if self.speculation is not None and _speculates(request):
+            # After this answer is on its way: launching forks and submits jobs, none of the step's work.
+            asyncio.get_running_loop().call_soon(self.speculation.launch, session, request, job)
         if not job.rows:
             return response
         rows = torch.stack(job.rows)  # [k, vocab]
@@ -207,6 +190,20 @@ class DraftServicer(
 
     def forget(self, session: Session) -> None:
         self._rows.pop(session.session_id, None)
+        if self.speculation is not None:
+            self.speculation.forget(session)
+
+    def model_info(self) -> common_pb2.ModelInfo:
+        info = super().model_info()
+        # Offered where it fans out (a GPU, or a modeled one): on a CPU, drafting ahead for a whole block
+        # alone is what the orchestrator's step beside the verify does, without a round trip for a hit.
+        cache = self.speculation
+        info.speculation_cache_tokens = self.config.speculation_cache_tokens if cache and cache.fans_out else 0
+        return info
+
+
+def _speculates(request: draft_pb2.DraftRequest) -> bool:
+    return request.HasField("speculate") and request.speculate.next_k > 0 and request.num_speculative_tokens > 0
 
 
 def register(servicer: DraftServicer, server: grpc.aio.Server) -> None:

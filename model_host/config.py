@@ -31,6 +31,7 @@ class ModelServiceConfig:
     max_queue_wait_s: float = 30.0
     batch_hold_fraction: float = 0.5
     lean_draft: bool = True
+    speculation_cache_tokens: int = 2048
     metrics_port: int = 0
     health_port: int = 0
     tls_cert: str = ""
@@ -67,6 +68,10 @@ _HELP: dict[str, str] = {
     "max_queue_wait_s": "a step not started within this many seconds is refused as busy (RESOURCE_EXHAUSTED)",
     "batch_hold_fraction": "wait at most this fraction of a forward for sessions expected back before one (0: never)",
     "lean_draft": "draft service: run Llama-family drafts with the lean forward pass (checked at start-up)",
+    "speculation_cache_tokens": "draft service: most tokens drafted ahead for the likely verdicts of the steps under "
+    "verification, over all sessions (the speculation cache; 0: none); each also holds a row of q under sampling. "
+    "Blocks drafted ahead take forward rows and key-value blocks that live sessions leave free, and are dropped "
+    "first",
     "metrics_port": "Prometheus metrics port (0 disables)",
     "health_port": "a plaintext port serving gRPC health checks only, for probes that cannot speak TLS (0: none)",
     "tls_cert": "PEM certificate chain: serve TLS (with --tls-key)",
@@ -106,6 +111,8 @@ def parse_model_service_config(prog: str, argv: Sequence[str] | None = None) -> 
             "--max-cached-tokens must be a positive number of tokens, sessions or auto; "
             f"got {config.max_cached_tokens!r}"
         )
+    if config.speculation_cache_tokens < 0:
+        parser.error("--speculation-cache-tokens must be at least 0 (0: no speculation cache)")
     if not 0.0 <= config.batch_hold_fraction <= 1.0:
         parser.error("--batch-hold-fraction must be in [0, 1]")
     if config.max_batch_tokens < config.prefill_chunk_tokens:

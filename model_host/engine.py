@@ -71,6 +71,9 @@ class Job:
     # blocks for before its first forward: more than `pending` when `advance` feeds more (the draft's).
     max_length: int = 0
     parents: tuple[int, ...] = ()  # a tree step: each pending token's parent (model_host/rows.py)
+    # Work no client waits for yet (a block drafted ahead, on a fork branch): scheduled after every
+    # live step, in the rows they leave free, and not counted in the engine's live load.
+    speculative: bool = False
 
     def most_reused(self) -> int:
         """How many of the tokens to feed may come from the prefix cache: all but those whose logits
@@ -106,6 +109,10 @@ class Engine:
         # one): the servicer wakes its event loop once for all of them, not once a job.
         self.after_group: Callable[[], None] = lambda: None
         self._forward_seconds = 0.0  # running mean of one forward
+        # Running means of the live (not speculative) rows and tokens of a forward: the load that work
+        # done ahead must not delay (draft_service/speculation.py).
+        self.live_rows = 0.0
+        self.live_tokens = 0.0
         self._last_step: dict[int, float] = {}  # slot -> when its last job finished
         self._trim_when_idle = False  # a prefill chunk ran since the engine was last idle
         self._batch_size = BATCH_SIZE.labels(role)
@@ -149,8 +156,8 @@ class Engine:
         done: Future[bool] = Future()
 
         def run() -> None:
-            try:
-                done.set_result(self.store.resolve(slot, branch))
+            try:  # a session closed meanwhile keeps nothing: its slot is free
+                done.set_result(self.slots.holds(slot) and self.store.resolve(slot, branch))
             except Exception as exc:
                 done.set_exception(exc)
                 raise
@@ -162,6 +169,17 @@ class Engine:
         self._command(run)
         return done
 
+    def end_branches(self, branches: list[int]) -> None:
+        """End fork branches (their jobs cancelled or done): their blocks go back, in order with the
+        command that forked them, so that a fork never lands in a slot already given back."""
+
+        def run() -> None:
+            for branch in branches:
+                self.forward.release(branch)
+                self.slots.release(branch)
+
+        self._command(run)
+
     def _command(self, command: Callable[[], None]) -> None:
         with self._wake:
             self._commands.append(command)
@@ -172,7 +190,7 @@ class Engine:
             try:
                 self.store.fork(slot, branch)
             except (OutOfBlocks, ValueError) as exc:
-                log.info("fork_refused", slot=slot, branch=branch, reason=str(exc))
+                log.debug("fork_refused", slot=slot, branch=branch, reason=str(exc))
                 self.store.drop(branch)  # its steps fail as a dropped branch's
 
     def submit(self, job: Job) -> Future[Job]:
@@ -219,6 +237,8 @@ class Engine:
                     command()
                 except Exception:
                     log.exception("engine_command_failed")
+            if commands:
+                self.after_group()  # a resolve may have ended a step (draft_service/speculation.py)
             if not entered and not self._active:  # woken by a session's end: perhaps the last one
                 continue
             for job in entered:
@@ -265,6 +285,8 @@ class Engine:
     def _enter(self, job: Job) -> None:
         """A new step: its slot rolls back to where the step starts (the blocks past it are freed), and
         a session's first step starts from the longest cached prefix of its tokens."""
+        if job.future.cancelled():
+            return  # ended before it entered (a block drafted ahead and dropped): nothing to reserve
         self._active.append(job)
         store = self.store
         try:
@@ -273,8 +295,12 @@ class Engine:
             if tree or (job.parents and not self.forward.batched):
                 raise invalid_argument(tree or f"the {self.forward.name} forward serves chains only: no tree rows")
             if job.slot in store.reclaimed and job.start:
-                raise resource_exhausted(
-                    "this branch was dropped to admit a live session's step (branches are reclaimable); fork again"
+                raise _dropped()
+            if job.start > store.length(job.slot):  # never a forward's failure: this step's alone
+                raise ServiceError(
+                    grpc.StatusCode.INTERNAL,
+                    f"{HANDLER_INTERNAL_PREFIX}a step starts at {job.start} of a cache holding "
+                    f"{store.length(job.slot)} tokens",
                 )
             store.truncate(job.slot, job.start)
             if job.start == 0:
@@ -304,8 +330,11 @@ class Engine:
             else:
                 waiting.append(job)
         self._active = []
+        reclaimed = self.store.reclaimed
         for job in waiting:
-            if job.queue_seconds < 0 and now - job.submitted > self.limits.max_queue_wait_s:
+            if job.slot in reclaimed:  # a branch dropped for a live step's blocks since this job entered
+                self._end(job, _dropped())
+            elif job.queue_seconds < 0 and now - job.submitted > self.limits.max_queue_wait_s:
                 self._end(job, _busy(self.limits.max_queue_wait_s))
             else:
                 self._active.append(job)
@@ -322,7 +351,10 @@ class Engine:
         limits = self.limits
         chosen: list[tuple[Job, Row]] = []
         tokens = 0
-        for job in self._active:
+        active = self._active
+        if any(job.speculative for job in active):  # live steps first: work done ahead takes what they leave
+            active = [job for job in active if not job.speculative] + [job for job in active if job.speculative]
+        for job in active:
             feed = job.pending
             if not job.parents:  # a tree is fed whole
                 feed = job.pending[: chunk_tokens(len(job.pending), job.num_logits, limits.prefill_chunk_tokens)]
@@ -350,6 +382,9 @@ class Engine:
         seconds = time.perf_counter() - started
         self._forward_seconds = 0.9 * self._forward_seconds + 0.1 * seconds if self._forward_seconds else seconds
         batch_tokens = sum(len(row.token_ids) for row in rows)
+        live = [row for (job, row) in group if not job.speculative]
+        self.live_rows = 0.9 * self.live_rows + 0.1 * len(live)
+        self.live_tokens = 0.9 * self.live_tokens + 0.1 * sum(len(row.token_ids) for row in live)
         self._trim_when_idle |= batch_tokens >= self.limits.prefill_chunk_tokens
         self._batch_size.observe(len(rows))
         self._batch_tokens.observe(batch_tokens)
@@ -399,6 +434,12 @@ def _internal(exc: Exception, job: Job) -> ServiceError:
 def _busy(waited_s: float) -> ServiceError:
     return resource_exhausted(
         f"busy: the step waited {waited_s:g} s in the service's queue without starting; retry later or add replicas"
+    )
+
+
+def _dropped() -> ServiceError:
+    return resource_exhausted(
+        "this branch was dropped to admit a live session's step (branches are reclaimable); fork again"
     )
 
 

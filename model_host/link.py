@@ -8,6 +8,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -60,6 +61,11 @@ class Pending:
     request: Any
     job: Job
     started: float
+    ended: Future[Any] | None = None  # what ends the step, when not its job's future (work done ahead)
+
+    @property
+    def outcome(self) -> Future[Any]:
+        return self.ended if self.ended is not None else self.job.future
 
 
 class Link:

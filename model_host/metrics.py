@@ -59,3 +59,20 @@ SIMULATED_STAND_IN_CPU = Counter(
 SIMULATED_OVERRUNS = Counter(
     "specdec:simulated_overrun_forwards", "Forwards whose CPU time overran their modeled time", ["service"]
 )
+
+# The draft's speculation cache (draft_service/speculation.py).
+SPECULATION_STEPS = Counter(
+    "specdec:speculation_steps",
+    "Draft steps of sessions with blocks drafted ahead, by outcome (hit, miss) and the verdict they name "
+    "(whole: the block accepted whole; rejection; other: a reopened session's)",
+    ["outcome", "verdict"],
+)
+SPECULATION_TOKENS = Counter(
+    "specdec:speculation_drafted_tokens",
+    "Tokens drafted ahead, by use: used (a hit's), wasted (a block dropped)",
+    ["use"],
+)
+SPECULATION_ENTRIES = Gauge("specdec:speculation_entries", "Blocks drafted ahead, held or drafting now")
+SPECULATION_HELD_TOKENS = Gauge(
+    "specdec:speculation_held_tokens", "Tokens of the blocks drafted ahead (--speculation-cache-tokens bounds them)"
+)

@@ -99,6 +99,11 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
     def forget(self, session: Session) -> None:
         """Drop what the subclass keeps for a session that closed."""
 
+    def drafted_ahead(self, session: Session, request: RequestT) -> tuple[Job, concurrent.futures.Future[Any]] | None:
+        """A step answered by work done ahead (the draft's speculation cache): its job, and the future
+        that ends the step (the job's result, or its error); None to run the step as usual."""
+        return None
+
     def make_forward(self) -> Forward:
         """The batched forward pass of this service's model (or its serial fallback)."""
         return choose_forward(self.loaded.model, self.block_store, self.config.prefill_chunk_tokens)
@@ -301,6 +306,22 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
                 log.info("cache_miss", request_id=session.request_id, keep=request.keep, held=session.length)
                 link.results.append(self._result(session_id, response=self.cache_miss()))
                 return
+            ahead = self.drafted_ahead(session, request)
+            if ahead is not None:
+                job, outcome = ahead
+                pending = Pending(session, request, job, time.perf_counter(), outcome)
+                link.running[session_id] = pending
+                outcome.add_done_callback(lambda _: self._on_done(link, session_id, pending))
+                return
+        except Exception as exc:  # noqa: BLE001 - one session's failure, never the link's
+            link.results.append(self._result(session_id, error=self._as_service_error(exc)))
+            self._close_session(link, session_id)
+            return
+        self._submit(link, session_id, session, request)
+
+    def _submit(self, link: Link, session_id: int, session: Session, request: Any) -> None:
+        """Run a step, its session rolled back, in the engine."""
+        try:
             assert session.cache is not None
             job = self.make_job(session.cache.slot, request, self._constraint(session, request))
             job.cache_salt = request.cache_salt
@@ -332,7 +353,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
 
     def _answer_finished(self, link: Link) -> None:
         finished = [
-            (i, p, p.job.future.exception()) for i, p in link.take_finished() if link.running.get(i) is p
+            (i, p, p.outcome.exception()) for i, p in link.take_finished() if link.running.get(i) is p
         ]  # not closed meanwhile
         try:
             self.before_responding([p.job for _, p, error in finished if error is None])
@@ -341,6 +362,10 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
         for session_id, pending, error in finished:
             del link.running[session_id]
             job, session = pending.job, pending.session
+            if error is not None and pending.ended is not None:  # the work done ahead was lost: as usual
+                log.info("drafted_ahead_lost", request_id=session.request_id, reason=str(error))
+                self._submit(link, session_id, session, pending.request)
+                continue
             if error is None:
                 try:
                     response = self.respond(job, pending.request, session)

@@ -45,6 +45,11 @@ class Session:
     last_used: float = field(default=0.0)
     stepping: bool = False  # between a successful rollback and step_done: the cache is in use
     constraint: SessionConstraint | None = None  # structured output: set by the session's first step
+    # A fork branch answered this session's step and is to become its cache (an engine command not run
+    # yet): the length it holds (draft_service/speculation.py). `lost`: it did not (the branch was
+    # dropped), so the cache no longer holds what the last answer said: the next step is a cache miss.
+    resolving: int | None = None
+    lost: bool = False
 
     @property
     def held(self) -> bool:
@@ -53,6 +58,8 @@ class Session:
     @property
     def length(self) -> int:
         """Tokens its cache holds (read between its steps: a step under way changes it)."""
+        if self.resolving is not None:
+            return self.resolving
         return self.cache.length if self.cache is not None else 0
 
 
@@ -99,6 +106,9 @@ class SessionStore:
         """Crop the cache to its first `keep` tokens. False (a cache miss) when it holds fewer."""
         with self._lock:
             session.last_used = self._clock()
+            if session.lost:
+                session.lost = False
+                _drop(session)
             if keep == 0:
                 _drop(session)
                 session.cache = self._new_cache()

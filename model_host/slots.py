@@ -36,6 +36,11 @@ class SlotAllocator:
                 self._leased.remove(slot)
                 self._released.append(slot)
 
+    def holds(self, slot: int) -> bool:
+        """Whether a session or branch holds the slot now."""
+        with self._lock:
+            return slot in self._leased
+
     def released(self) -> bool:
         """Whether slots were released since the last `recycle`."""
         with self._lock:

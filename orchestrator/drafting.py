@@ -61,16 +61,16 @@ class Drafter:
             log.info("drafting_stopped", request_id=self.request.request_id, reason="a token past the draft's width")
             self.refused = True
 
-    async def propose(self, context: Context, k: int) -> Draft:
+    async def propose(self, context: Context, k: int, ahead_k: tuple[int, int] = (0, 0)) -> Draft:
         """The draft's block of k tokens (capped by `round_plan.cap`) continuing `context` (the committed
         sequence, or it plus a block under verification), or NO_DRAFT (the target alone, still exact)
-        when the draft fails."""
+        when the draft fails. `ahead_k`: the K of the blocks the draft drafts ahead for the verdicts."""
         assert self.stream is not None and k >= 1
         draft = self.stream
         try:  # a step unanswered for --draft-timeout-s raises TimeoutError (its link's timer)
             stepped = await draft.step(
                 context,
-                lambda keep: self.fields.draft(context, keep, k),
+                lambda keep: self.fields.draft(context, keep, k, ahead_k),
                 fed_beyond=lambda response: response.draft_token_ids,  # all but the last are fed
             )
             response = stepped.response
@@ -104,6 +104,7 @@ class Drafter:
             forward_seconds=response.timing.forward_seconds,
             fed=stepped.fed,
             forward_seconds_per_token=response.timing.forward_seconds / len(token_ids),
+            speculated=response.speculated,
         )
 
     async def row(

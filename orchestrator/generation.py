@@ -159,6 +159,7 @@ class Generation:
             greedy=self.request.sampling.greedy,
             drafting=self.drafter.usable,
             overlap=self.request.overlap_drafting,
+            speculation_cache=self.request.overlap_drafting and self.limits.draft_speculates,
             constrained=self.constraint is not None,
             forced=forced,
             lookup=lookup,
@@ -184,12 +185,14 @@ class Generation:
         block = plan.block
         if block is None:
             block = (
-                ahead.first(plan.k) if ahead is not None else await self.drafter.propose(Context(self.sequence), plan.k)
+                ahead.first(plan.k)
+                if ahead is not None
+                else await self.drafter.propose(Context(self.sequence), plan.k, plan.ahead_k)
             )
         draft_wait = time.perf_counter() - started  # what the target's step waited for
         CHOSEN_K.observe(len(block.token_ids))
         checked, side = await self._verify_beside(block, side_k_for(plan, block, self.limits))
-        overlapped = plan.block is None and ahead is not None
+        overlapped = plan.block is None and (ahead is not None or block.speculated)
         return RoundOutcome(block, checked, side, probed, time.perf_counter() - started, draft_wait, overlapped)
 
     def apply_round(self, plan: RoundPlan, outcome: RoundOutcome) -> list[int]:

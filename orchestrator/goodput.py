@@ -158,12 +158,22 @@ class GoodputK(KPolicy):
     drafts_beside_prefill = True  # the draft prefills beside the target's prefill: the first token waits for neither
 
     def __init__(
-        self, initial_k: int, max_k: int, times: StepTimes, drafts_cost: bool = True, overlaps: bool = False
+        self,
+        initial_k: int,
+        max_k: int,
+        times: StepTimes,
+        drafts_cost: bool = True,
+        overlaps: bool = False,
+        speculates: bool = False,
     ) -> None:
         super().__init__(initial_k, max_k)
         self.times = times
         self.drafts_cost = drafts_cost
         self.overlaps = overlaps  # the request drafts its next block beside each step
+        # The draft drafts ahead for each likely verdict (its speculation cache): the share of rounds
+        # whose block is ready is learnt (`_ready`), not a^(K + 1).
+        self.speculates = overlaps and speculates
+        self._ready: float | None = None
         self._accepted, self._trials = PRIOR_ACCEPTANCE, 1.0
         self._base: float | None = None  # S: a round's seconds beyond its own rows and draft wait
         self._latency = 0.0  # w: what a speculating round waits for the draft beyond its forwards
@@ -199,6 +209,7 @@ class GoodputK(KPolicy):
         # Each K's expected tokens from the last's (E(K) = E(K - 1) + a^K): this runs every round of every
         # request, and at 32 streams its cost showed in the orchestrator's CPU.
         base, wait = max(base, 1e-6), self._latency
+        ready = self._ready if self.speculates else None
         tokens, seconds, power = [1.0], [base], 1.0
         for k in range(1, (self.max_k if upto is None else max(upto, self._k)) + 1):
             power *= rate
@@ -206,9 +217,10 @@ class GoodputK(KPolicy):
             step, drafting = base + beta * k, wait + draft * k
             if self.overlaps:
                 # The block was drafted beside the last step when that one was accepted whole and the
-                # draft guessed its bonus token (a^(K + 1) of rounds); that draft step, K + 1 tokens,
-                # ran beside the target's, and the round waits only for what outlasted it.
-                ahead = power * rate
+                # draft guessed its bonus token (a^(K + 1) of rounds), or, with a speculation cache,
+                # in the share of rounds measured; that draft step, K + 1 tokens, ran beside the
+                # target's, and the round waits only for what outlasted it.
+                ahead = power * rate if ready is None else ready
                 drafting = (1.0 - ahead) * drafting + ahead * max(drafting + draft - step, 0.0)
             seconds.append(step + drafting)
         now = self._k
@@ -281,6 +293,8 @@ class GoodputK(KPolicy):
         self.times.observe_base(base)
         if self.drafts_cost and k > 0 and draft_per_token > 0 and draft_fed <= self.max_k + 1:
             self.times.observe_draft_step(draft_per_token)
+        if self.speculates and k > 0:
+            self._ready = _ewma(self._ready, float(overlapped))
         if self.drafts_cost and k > 0 and draft_per_token > 0 and draft_fed <= self.max_k + 1 and not overlapped:
             # The request's own wait for a draft step beyond its forwards: the draft's RPC and queue on
             # this request's path, which K = 0 rounds and rounds whose block was drafted ahead do not pay.
@@ -292,11 +306,18 @@ class GoodputK(KPolicy):
 
 
 def make_policy(
-    name: str, initial_k: int, max_k: int, times: StepTimes, drafts_cost: bool = True, overlaps: bool = False
+    name: str,
+    initial_k: int,
+    max_k: int,
+    times: StepTimes,
+    drafts_cost: bool = True,
+    overlaps: bool = False,
+    speculates: bool = False,
 ) -> KPolicy:
     """The policy called `name` (one of serving.protocol.POLICIES); `drafts_cost` is False for the
-    prompt lookup's blocks, which cost nothing to propose; `overlaps`: the request drafts ahead."""
+    prompt lookup's blocks, which cost nothing to propose; `overlaps`: the request drafts ahead;
+    `speculates`: with the draft's speculation cache."""
     if name == "load_aware":
-        return GoodputK(initial_k, max_k, times, drafts_cost, overlaps)
+        return GoodputK(initial_k, max_k, times, drafts_cost, overlaps, speculates)
     policies: dict[str, type[KPolicy]] = {"fixed": FixedK, "heuristic": HeuristicK, "cost_model": CostModelK}
     return policies[name](initial_k, max_k)

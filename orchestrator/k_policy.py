@@ -31,6 +31,12 @@ class KPolicy(abc.ABC):
     @abc.abstractmethod
     def next_k(self) -> int: ...
 
+    def most_next_k(self, k: int, whole: bool) -> int:
+        """The largest K the round after a round at K = k may choose, after a block accepted whole or
+        not: the K of the blocks the draft's speculation cache drafts ahead for each (load_aware rises
+        a step, and only after a whole block)."""
+        return min(self.max_k, k + 1) if whole else k
+
     def observe(self, verdict: Verdict, draft_seconds: float = 0.0, target_seconds: float = 0.0) -> None:  # noqa: B027
         """Learn from a finished round (its verdict and the services' forward times); a no-op by default."""
 
@@ -62,6 +68,9 @@ class FixedK(KPolicy):
     def next_k(self) -> int:
         return self.initial_k
 
+    def most_next_k(self, k: int, whole: bool) -> int:
+        return k
+
 
 class HeuristicK(KPolicy):
     def __init__(self, initial_k: int, max_k: int) -> None:
@@ -70,6 +79,9 @@ class HeuristicK(KPolicy):
 
     def next_k(self) -> int:
         return self._k
+
+    def most_next_k(self, k: int, whole: bool) -> int:
+        return min(self.max_k, k + 2) if whole else k
 
     def observe(self, verdict: Verdict, draft_seconds: float = 0.0, target_seconds: float = 0.0) -> None:
         if verdict.num_drafted == 0:

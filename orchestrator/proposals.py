@@ -118,6 +118,7 @@ class Draft:
     fed: int = 0  # tokens the draft service was fed for this block (0: it cost no draft step)
     forward_seconds_per_token: float = 0.0  # the draft step's forward seconds per token it drafted
     rows_at: RowsAt | None = None  # a sampled model block's rows, on the draft service
+    speculated: bool = False  # drafted ahead by the draft's speculation cache while the last step was verified
 
     def first(self, k: int) -> Draft:
         """The first k tokens (a ready block may be longer than this round allows)."""

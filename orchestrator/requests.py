@@ -54,6 +54,7 @@ class ModelLimits:
     draft_max_speculative_tokens: int = 16  # the draft service's cap on one step's K
     draft_vocab_size: int = 0  # the draft's row width (0: the target's); a padded pair's may differ
     draft_constrains: bool = False  # the draft applies structured outputs (ModelInfo.structured_output_kinds)
+    draft_speculates: bool = False  # the draft has a speculation cache (ModelInfo.speculation_cache_tokens)
 
 
 class StepFields:
@@ -65,8 +66,12 @@ class StepFields:
         self.sampling = request.sampling.to_proto()  # the same for every round
         self.constraint = constraint_fields  # sent on a session's first step (keep = 0)
 
-    def draft(self, context: Context, keep: int, k: int) -> draft_pb2.DraftRequest:
+    def draft(self, context: Context, keep: int, k: int, ahead_k: tuple[int, int] = (0, 0)) -> draft_pb2.DraftRequest:
+        """A draft step of k tokens after `context`; `ahead_k`: the K of the blocks the draft drafts ahead
+        for this step's verdicts, after a rejection and after the whole block (its speculation cache;
+        0: none)."""
         request, limits, n = self.request, self.limits, len(context)
+        base = request.seed * _SEED_MIX & _U64
         return draft_pb2.DraftRequest(
             request_id=request.request_id,
             keep=keep,
@@ -74,7 +79,10 @@ class StepFields:
             num_speculative_tokens=k,
             sampling=self.sampling,
             # Seeded by position, so a block drafted again after a lost session is the same block.
-            seed=(request.seed * _SEED_MIX + n) & _U64,
+            seed=(base + n) & _U64,
+            speculate=(
+                draft_pb2.Speculate(next_k=ahead_k[0], next_k_whole=ahead_k[1], seed_base=base) if ahead_k[0] else None
+            ),
             min_confidence=request.min_confidence,
             cache_salt=request.cache_salt if keep == 0 else b"",
             **(self.constraint if keep == 0 and limits.draft_constrains else {}),

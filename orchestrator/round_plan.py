@@ -9,7 +9,9 @@ A round proposes one block, from the first of:
 Beside the target's step the draft may work (`RoundPlan.side_k` and `side_k_for`): the next block as
 if this one were all accepted (its first token guesses the bonus token); in the first round, the
 same beside the target's prefill; at K = 0, a probe (one token for the position the step decides, for
-the policy to learn from at no cost to the round's time).
+the policy to learn from at no cost to the round's time). A draft service with a speculation cache
+drafts the next block itself, for each likely verdict (draft_service/speculation.py): a model block
+then asks for it (`RoundPlan.ahead_k`) and has no side step.
 
 Every K is capped by one function, `cap`, so that no round overshoots max_new_tokens, a context, or
 the draft's own bound on a step.
@@ -40,6 +42,7 @@ class RoundState:
     forced: Sequence[int] = ()  # the tokens a structured output forces next
     lookup: Sequence[int] | None = None  # the prompt lookup's continuation (None: no lookup)
     probe_pending: bool = False  # a probe beside the last step has not been scored yet
+    speculation_cache: bool = False  # the draft service drafts the next blocks itself (with overlap only)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,9 @@ class RoundPlan:
     probe: bool = False  # side_k is a probe's one token, at K = 0
     beside_prefill: bool = False  # side_k is the block drafted beside the target's prefill
     lookup_idle: bool = False  # the lookup's policy chose K = 0: the round counts for its probes
+    # The K of the blocks the draft's speculation cache drafts ahead after a rejection and after the
+    # whole block (0: none).
+    ahead_k: tuple[int, int] = (0, 0)
 
     @property
     def scored(self) -> bool:
@@ -102,7 +108,13 @@ def plan_round(state: RoundState, policy: KPolicy, lookup_policy: KPolicy | None
         if side_k:
             return RoundPlan(state, NO_DRAFT, side_k=side_k, beside_prefill=True, lookup_idle=lookup_idle)
     if k:
-        return RoundPlan(state, None, k=k, next_k=next_k, lookup_idle=lookup_idle)
+        ahead = (0, 0)
+        if state.speculation_cache:  # after a rejection at least 1 token is committed, after a whole block k + 1
+            ahead = (
+                cap(policy.most_next_k(k, whole=False), state, limits, drafted=True, after=1),
+                cap(policy.most_next_k(k, whole=True), state, limits, drafted=True, after=k + 1),
+            )
+        return RoundPlan(state, None, k=k, next_k=next_k, lookup_idle=lookup_idle, ahead_k=ahead)
     room = cap(1, state, limits, drafted=True)  # a probe drafts one token
     probe = room > 0 and not state.probe_pending and policy.probe_due()
     return RoundPlan(state, NO_DRAFT, side_k=int(probe), probe=probe, lookup_idle=lookup_idle)
@@ -115,6 +127,8 @@ def side_k_for(plan: RoundPlan, block: Draft, limits: ModelLimits) -> int:
     state = plan.state
     if plan.side_k or not state.overlap or not block.token_ids or block.proposer != MODEL:
         return plan.side_k
+    if state.speculation_cache:
+        return 0  # the draft service drafts ahead itself
     if state.constrained and any(t in limits.eos_token_ids for t in block.token_ids):
         return 0  # a block that may end the generation: a constrained draft cannot feed past its EOS
     return _ahead(plan.next_k, state, len(block.token_ids), limits)

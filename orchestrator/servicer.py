@@ -461,6 +461,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             ),
             draft_constrains=bool(self.draft and self.draft.info and self.draft.info.structured_output_kinds),
             draft_vocab_size=self.draft.info.vocab_size if self.draft and self.draft.info else 0,
+            draft_speculates=bool(self.draft and self.draft.info and self.draft.info.speculation_cache_tokens),
         )
 
     def _generation(self, request: GenerationRequest, policy: str) -> Generation:
@@ -484,13 +485,21 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         lookup_policy = None
         if method != MODEL and k > 0:
             lookup_policy = make_policy(policy, initial_k, max_k, self.times, drafts_cost=False)
+        limits = self._limits()
         return Generation(
             request,
-            self._limits(),
+            limits,
             target,
             draft,
             self.availability,
-            make_policy(policy, initial_k, max_k, self.times, overlaps=request.overlap_drafting),
+            make_policy(
+                policy,
+                initial_k,
+                max_k,
+                self.times,
+                overlaps=request.overlap_drafting,
+                speculates=limits.draft_speculates,
+            ),
             self.times,
             lookup_policy,
             self.sampler,

@@ -318,6 +318,12 @@ class SessionConstraint:
         self.consumed: list[int] = []  # the tokens at positions start .. start + len - 1
         self._words = np.zeros((vocab_size + 31) // 32, dtype=np.uint32)  # llguidance's bitmask
 
+    def copy(self) -> SessionConstraint:
+        """An independent matcher in the same state (a fork of the session's)."""
+        twin = SessionConstraint(self.matcher.deep_copy(), self.start, self.vocab_size, sorted(self._eos))
+        twin.consumed = list(self.consumed)
+        return twin
+
     @property
     def length(self) -> int:
         """The sequence length the matcher's state is at."""

@@ -90,6 +90,8 @@ def _round_seconds(policy: GoodputK, k: int) -> float:
     if not k or not policy.overlaps:
         return step + drafting * (k > 0)
     ahead = policy.acceptance_rate ** (k + 1)  # drafted beside the last step: K + 1 tokens beside this one's
+    if policy.speculates and policy._ready is not None:
+        ahead = policy._ready  # a speculation cache: the share of rounds whose block was ready
     return step + (1 - ahead) * drafting + ahead * max(drafting + times.draft_per_token - step, 0.0)
 
 
@@ -148,6 +150,24 @@ def test_k_rises_a_step_at_a_time_and_only_after_a_block_accepted_whole():
     for _ in range(30):  # the draft stops agreeing: K falls at once, not a step at a time
         policy.observe(_verdict(0, max(policy.next_k(), 1)))
     assert policy.next_k() == 0
+
+
+def test_with_a_speculation_cache_the_share_of_ready_blocks_is_learnt():
+    """A draft that drafts ahead for every likely verdict has a block ready in the share of rounds
+    measured, not only after whole blocks (a^(K+1)): R(K) prices that share, so the same request, draft
+    and acceptance choose at least as long a block, and J(K) is E(K) / R(K) by hand."""
+    chosen = []
+    for speculates in (False, True):
+        policy = GoodputK(2, 8, _times(STEEP), overlaps=True, speculates=speculates)
+        _run(policy, 30, accepted_of=(2, 4))
+        for _ in range(20):
+            policy.observe_wall(2, 0.02, draft_wait=0.0, draft_fed=3, draft_per_token=0.002, overlapped=True)
+        assert policy._ready is None if not speculates else policy._ready is not None and policy._ready > 0.8
+        by_hand = [expected_tokens(policy.acceptance_rate, k) / _round_seconds(policy, k) for k in range(9)]
+        assert all(abs(g - h) < 1e-9 * h for g, h in zip(policy.goodputs(), by_hand, strict=True))
+        chosen.append(max(range(9), key=policy.goodputs().__getitem__))
+    assert chosen[1] >= chosen[0]
+    assert not GoodputK(2, 8, _times(STEEP), overlaps=False, speculates=True).speculates  # needs drafting ahead
 
 
 def test_the_drafts_wait_is_learnt_from_rounds_that_waited():

@@ -47,6 +47,28 @@ def test_a_model_round_asks_the_policy_once_and_drafts_ahead_with_its_k():
     assert side_k_for(no_overlap, block, LIMITS) == 0
 
 
+def test_with_a_speculation_cache_the_draft_drafts_ahead_itself():
+    """A draft service with a speculation cache drafts the next blocks for the verdicts itself: the
+    model block's step asks for them with the K the next round may choose (fixed: K; load_aware: K + 1
+    after a whole block), and no step goes beside the verify."""
+    state = replace(STATE, speculation_cache=True)
+    block = Draft([5, 6, 7, 8], None)
+    fixed = plan_round(state, Counting(4), None, LIMITS)
+    assert fixed.ahead_k == (4, 4) and side_k_for(fixed, block, LIMITS) == 0
+    rising = plan_round(state, _Rising(4, 16), None, LIMITS)
+    assert rising.ahead_k == (4, 5)  # a rise only after a whole block
+    near_the_end = plan_round(replace(state, produced=90), _Rising(4, 16), None, LIMITS)
+    assert near_the_end.ahead_k == (4, 4)  # 10 left: after a whole block 5 are committed, 5 left: K + 1
+    assert plan_round(STATE, Counting(4), None, LIMITS).ahead_k == (0, 0)  # no cache: the side step instead
+
+
+class _Rising(KPolicy):
+    """A policy that may rise a step a round (most_next_k's default, load_aware's)."""
+
+    def next_k(self) -> int:
+        return self.initial_k
+
+
 @pytest.mark.parametrize(
     ("produced", "length", "k"),
     [

@@ -23,7 +23,7 @@ import pytest
 import torch
 from scipy import stats
 
-from draft_service.servicer import choose_token
+from draft_service.jobs import choose_token
 from orchestrator.generation import Generation, GenerationRequest, ModelLimits
 from orchestrator.k_policy import FixedK
 from orchestrator.upstream import DraftAvailability, Place, Stepped

@@ -1,0 +1,129 @@
+"""A draft step's engine job: feed the new tokens, then draft one token per engine iteration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from model_host.engine import Job
+from serving.constraints import SessionConstraint, TokenBan, mask_logits
+from serving.logits import logits_to_probs, sample_index
+from serving.sampling import SamplingParams
+
+
+def choose_token(
+    logits: torch.Tensor,  # [vocab]
+    params: SamplingParams,
+    generator: torch.Generator,
+    need_confidence: bool,
+) -> tuple[int, torch.Tensor | None, float]:
+    """The draft's next token, the exact row it was sampled from ([vocab]; None for greedy), and the
+    draft's probability of it (1.0 for greedy unless `need_confidence`)."""
+    if params.greedy:
+        token = int(logits.argmax())
+        confidence = float(logits.float().softmax(-1)[token]) if need_confidence else 1.0
+        return token, None, confidence
+    probs = logits_to_probs(logits[None], params)[0]  # [vocab]
+    # Inverse CDF: torch.multinomial costs 4.8 ms a token over 128k tokens on one core (this, 0.7 ms with
+    # the softmax), which was most of a sampled draft's time per token at Llama 3's vocabulary.
+    uniform = torch.rand(1, generator=generator, dtype=torch.float64, device=generator.device)
+    token = int(sample_index(probs, uniform))
+    return token, probs, float(probs[token])
+
+
+@dataclass(eq=False)
+class DraftJob(Job):
+    """Feed the new tokens, then draft: each engine iteration samples one token and feeds it back,
+    until K tokens (the last is never fed), an EOS, or the draft's confidence falls below
+    min_confidence. K = 0 keeps the next token's logits and drafts nothing. Under a structured output
+    each row is masked by the session's constraint, advanced by each token drafted."""
+
+    params: SamplingParams = field(default_factory=SamplingParams)
+    num_speculative_tokens: int = 1
+    min_confidence: float = 0.0
+    generator: torch.Generator | None = None
+    constraint: SessionConstraint | None = None
+    ban: TokenBan | None = None  # min_tokens' masks, as the target applies them
+    position: int = 0  # the sequence position the next row scores
+    vocab_limit: int = 0  # propose only ids below this (a draft wider than its target); 0: all
+    token_ids: list[int] = field(default_factory=list)  # [k] drafted so far
+    token_probs: list[float] = field(default_factory=list)  # [k] q(x); sampling only
+    rows: list[torch.Tensor] = field(default_factory=list)  # k logit rows of [vocab]; sampling only
+    # For the speculation cache (draft_service/speculation.py), when `alternatives` > 0: at each drafted
+    # position, the draft's probability of its token and its most likely tokens with theirs.
+    alternatives: int = 0
+    confidences: list[float] = field(default_factory=list)  # [k] q(x), greedy steps too
+    likely: list[list[tuple[int, float]]] = field(default_factory=list)  # [k][alternatives + 1]
+    rows_scored: int = 0  # rows this job read (a forward's each): a guess's too
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """The last row of `logits`, masked as the step's constraint, ban and vocab_limit say, for the
+        position it scores (which then moves on by one)."""
+        row = logits[-1]  # [vocab]
+        self.rows_scored += 1
+        constraint = self.constraint
+        allowed = constraint.allowed()[None] if constraint is not None else None  # [1, vocab]
+        if self.ban is not None:
+            allowed = self.ban.restrict(allowed, [self.position], row.shape[-1])
+        if 0 < self.vocab_limit < row.shape[-1]:
+            if allowed is None:
+                allowed = torch.ones((1, row.shape[-1]), dtype=torch.bool)
+            allowed[:, self.vocab_limit :] = False
+        self.position += 1
+        if allowed is not None:
+            return mask_logits(row[None], allowed)[0]  # a new tensor: no clone needed
+        if not self.params.greedy:
+            return row.clone()  # a view would keep the whole batch's logits alive
+        return row
+
+    def advance(self, logits: torch.Tensor) -> list[int] | None:
+        assert self.generator is not None
+        row = self.masked(logits)
+        if not self.params.greedy:
+            self.rows.append(row)
+        if self.num_speculative_tokens == 0:
+            return None
+        need_confidence = self.min_confidence > 0 and not self.alternatives
+        token, probs, confidence = choose_token(row, self.params, self.generator, need_confidence)
+        self.token_ids.append(token)
+        if probs is not None:
+            self.token_probs.append(float(probs[token]))
+        if self.alternatives:
+            confidence = self._note_likely(row, probs, token)
+        if len(self.token_ids) == self.num_speculative_tokens or confidence < self.min_confidence:
+            return None
+        constraint = self.constraint
+        if constraint is not None:
+            if constraint.is_eos(token):
+                return None  # the generation would end here: nothing to draft past it
+            constraint.consume(token)
+        return [token]
+
+    def _note_likely(self, row: torch.Tensor, probs: torch.Tensor | None, token: int) -> float:
+        """Note q(token) and the most likely tokens at this position; returns q(token)."""
+        if probs is None:  # greedy: the draft's own distribution, for how likely each verdict is
+            probs = row.float().softmax(-1)
+        values, ids = probs.topk(min(self.alternatives + 1, probs.shape[-1]))
+        confidence = float(probs[token])
+        self.confidences.append(confidence)
+        self.likely.append(list(zip(ids.tolist(), values.tolist(), strict=True)))
+        return confidence
+
+
+@dataclass(eq=False)
+class GuessingDraftJob(DraftJob):
+    """A block drafted ahead for a wholly accepted block: feed its last draft token, guess the target's
+    bonus token after it (the draft's most likely token), feed the guess, then draft as a DraftJob."""
+
+    guess: int = -1
+
+    def advance(self, logits: torch.Tensor) -> list[int] | None:
+        if self.guess >= 0:
+            return super().advance(logits)
+        self.guess = int(self.masked(logits).argmax())
+        if self.constraint is not None:
+            if self.constraint.is_eos(self.guess):
+                return None  # the structured output would end there: nothing to draft past it
+            self.constraint.consume(self.guess)
+        return [self.guess]
