@@ -114,14 +114,17 @@ class DraftJob(Job):
 @dataclass(eq=False)
 class GuessingDraftJob(DraftJob):
     """A block drafted ahead for a wholly accepted block: feed its last draft token, guess the target's
-    bonus token after it (the draft's most likely token), feed the guess, then draft as a DraftJob."""
+    bonus token after it (the draft's rank-th most likely token), feed the guess, then draft as a
+    DraftJob."""
 
     guess: int = -1
+    rank: int = 1  # the guess is the draft's rank-th most likely token there
 
     def advance(self, logits: torch.Tensor) -> list[int] | None:
         if self.guess >= 0:
             return super().advance(logits)
-        self.guess = int(self.masked(logits).argmax())
+        row = self.masked(logits)
+        self.guess = int(row.argmax()) if self.rank == 1 else int(row.topk(self.rank).indices[-1])
         if self.constraint is not None:
             if self.constraint.is_eos(self.guess):
                 return None  # the structured output would end there: nothing to draft past it
