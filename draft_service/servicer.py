@@ -60,7 +60,8 @@ class DraftServicer(
                 self.draft_job,
                 config.max_speculative_tokens,
                 loaded.max_context,
-                fans_out=loaded.device_name != "cpu" or bool(config.simulated_device),
+                # A GPU of its own (or a modeled one): the model's inputs live off the host's CPU.
+                fans_out=torch.device(loaded.input_device).type != "cpu" or bool(config.simulated_device),
             )
 
     def make_forward(self) -> Forward:

@@ -296,12 +296,6 @@ class Engine:
                 raise invalid_argument(tree or f"the {self.forward.name} forward serves chains only: no tree rows")
             if job.slot in store.reclaimed and job.start:
                 raise _dropped()
-            if job.start > store.length(job.slot):  # never a forward's failure: this step's alone
-                raise ServiceError(
-                    grpc.StatusCode.INTERNAL,
-                    f"{HANDLER_INTERNAL_PREFIX}a step starts at {job.start} of a cache holding "
-                    f"{store.length(job.slot)} tokens",
-                )
             store.truncate(job.slot, job.start)
             if job.start == 0:
                 job.reused = store.reuse(job.slot, job.pending, job.most_reused(), job.cache_salt)
