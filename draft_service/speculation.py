@@ -135,7 +135,9 @@ class Counts:
     hits: int = 0
     hits_after_rejection: int = 0  # of the hits, those whose block followed a rejection (not a whole block)
     misses: int = 0
-    lost: int = 0  # hits whose entry was dropped before it was resolved (the step then ran as usual)
+    # Hits whose branch was dropped for a live step's blocks: before the answer (the step then ran as
+    # usual) or after it (the session's next step is a cache miss).
+    lost: int = 0
     launched: int = 0
     used_tokens: int = 0
     wasted_tokens: int = 0

@@ -227,7 +227,7 @@ def test_sampled_outputs_follow_the_target_through_hits_at_8_streams(small_vocab
     _fan_out(draft)
     orchestrator = OrchestratorThread(orchestrator_config(target, draft))
     cache = _cache(draft)
-    samples = 2400
+    samples = 1600
     try:
 
         def last_two(seed: int) -> tuple[int, ...]:
