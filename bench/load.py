@@ -326,16 +326,17 @@ def _process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def metric_totals(port: int, name: str, label: str = "service") -> dict[str, float]:
-    """A counter's (or a histogram's `_sum`) value by one of its labels so far, from a Prometheus port."""
+def metric_totals(port: int, name: str, *labels: str) -> dict[str, float]:
+    """A counter's (or a histogram's `_sum`) value so far by the values of `labels` (default: service),
+    joined with ':' and summed over the others, from a Prometheus port."""
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     totals: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith(name + "{"):
-            value = line.split(f'{label}="')[1].split('"')[0]
-            totals[value] = totals.get(value, 0.0) + float(line.rsplit(" ", 1)[1])  # summed over other labels
+            key = ":".join(line.split(f'{label}="')[1].split('"')[0] for label in labels or ("service",))
+            totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return totals
 
 

@@ -36,24 +36,11 @@ DRAFT_DEVICE = "h100-llama-3.2-1b"
 def _counts(stack: LocalStack) -> dict[str, float]:
     """The draft's cache counts so far: steps by outcome, and by outcome and verdict; tokens by use."""
     port = stack.metrics_ports["draft"]
-    counts = {f"steps:{k}": v for k, v in metric_totals(port, "specdec:speculation_steps_total", "outcome").items()}
+    steps = "specdec:speculation_steps_total"
+    counts = {f"steps:{k}": v for k, v in metric_totals(port, steps, "outcome").items()}
+    counts.update(metric_totals(port, steps, "outcome", "verdict"))
     used = metric_totals(port, "specdec:speculation_drafted_tokens_total", "use")
     counts.update({f"tokens:{k}": v for k, v in used.items()})
-    counts.update(_by_verdict(port))
-    return counts
-
-
-def _by_verdict(port: int) -> dict[str, float]:
-    """Steps by (outcome, verdict), from the draft's metrics."""
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    counts: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("specdec:speculation_steps_total{"):
-            outcome = line.split('outcome="')[1].split('"')[0]
-            verdict = line.split('verdict="')[1].split('"')[0]
-            counts[f"{outcome}:{verdict}"] = float(line.rsplit(" ", 1)[1])
     return counts
 
 

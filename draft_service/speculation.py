@@ -38,6 +38,7 @@ step at one stream (a hit costs a round trip to the draft, the side step's block
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
@@ -88,7 +89,6 @@ class Entry:
     job: DraftJob
     branch: int
     constraint: SessionConstraint | None
-    chance: float  # the draft's estimate that the verdict comes
     tokens: int  # what it counts against --speculation-cache-tokens
 
     def answers(self, request: draft_pb2.DraftRequest) -> bool:
@@ -167,20 +167,20 @@ class SpeculationCache:
         self.fans_out = fans_out
         self.counts = Counts()
         self._entries: dict[str, list[Entry]] = {}
+        self.entries = 0  # held or drafting, over all sessions
         self.held_tokens = 0
+        self._running = 0  # entries' jobs in the engine, each a forward row: counted, not scanned, per launch
+        self._lock = threading.Lock()
         # Acceptance per drafted token, learnt from the verdicts the next steps name: each session's
         # (decayed counts of tokens accepted and judged, from its last step: n and k), and the
         # service's, the prior of a new session.
         self._sessions: dict[str, Acceptance] = {}
         self.prior = Acceptance()
 
-    @property
-    def entries(self) -> int:
-        return sum(len(entries) for entries in self._entries.values())
-
     def running(self) -> int:
         """Entries whose job is still in the engine: they take forward rows."""
-        return sum(not entry.job.future.done() for entries in self._entries.values() for entry in entries)
+        with self._lock:
+            return self._running
 
     # --- launching ---------------------------------------------------------------------------
 
@@ -228,6 +228,7 @@ class SpeculationCache:
                 self.held_tokens -= len(verdict.append) + int(verdict.whole) + next_k
                 engine.end_branches([branch])
         self._entries[session.session_id] = entries
+        self.entries += len(entries)
         self.counts.launched += len(entries)
         self._publish()
 
@@ -279,9 +280,14 @@ class SpeculationCache:
         job.comes_straight_back = False
         job.max_length = length + next_k - 1
         self.engine.submit(job)
-        return Entry(
-            verdict.keep, verdict.append, step, job, branch, constraint, verdict.chance, length - verdict.keep + next_k
-        )
+        with self._lock:
+            self._running += 1
+        job.future.add_done_callback(self._job_ended)  # the engine's thread, or here on a cancel
+        return Entry(verdict.keep, verdict.append, step, job, branch, constraint, length - verdict.keep + next_k)
+
+    def _job_ended(self, _: Future[Job]) -> None:
+        with self._lock:
+            self._running -= 1
 
     # --- the next step -----------------------------------------------------------------------
 
@@ -292,6 +298,7 @@ class SpeculationCache:
         entries = self._entries.pop(session.session_id, None)
         if entries is None:
             return None
+        self.entries -= len(entries)
         hit = next((entry for entry in entries if entry.answers(request)), None)
         for entry in entries:
             if entry is not hit:
@@ -368,6 +375,7 @@ class SpeculationCache:
     def drop(self, session: Session) -> None:
         """Drop a session's entries (a new step of its own, or its end)."""
         entries = self._entries.pop(session.session_id, None)
+        self.entries -= len(entries or ())
         for entry in entries or ():
             self._discard(entry)
         if entries:

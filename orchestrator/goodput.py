@@ -305,19 +305,10 @@ class GoodputK(KPolicy):
         self._trials = DECAY * self._trials + trials
 
 
-def make_policy(
-    name: str,
-    initial_k: int,
-    max_k: int,
-    times: StepTimes,
-    drafts_cost: bool = True,
-    overlaps: bool = False,
-    speculates: bool = False,
-) -> KPolicy:
-    """The policy called `name` (one of serving.protocol.POLICIES); `drafts_cost` is False for the
-    prompt lookup's blocks, which cost nothing to propose; `overlaps`: the request drafts ahead;
-    `speculates`: with the draft's speculation cache."""
+def make_policy(name: str, initial_k: int, max_k: int, times: StepTimes, **load_aware: bool) -> KPolicy:
+    """The policy called `name` (one of serving.protocol.POLICIES); `load_aware`: GoodputK's options
+    (`drafts_cost`, `overlaps`, `speculates`), which the other policies do without."""
     if name == "load_aware":
-        return GoodputK(initial_k, max_k, times, drafts_cost, overlaps, speculates)
+        return GoodputK(initial_k, max_k, times, **load_aware)
     policies: dict[str, type[KPolicy]] = {"fixed": FixedK, "heuristic": HeuristicK, "cost_model": CostModelK}
     return policies[name](initial_k, max_k)
