@@ -221,6 +221,7 @@ def _last_two_distribution(model: torch.nn.Module) -> dict[tuple[int, ...], floa
     return joint
 
 
+@pytest.mark.slow  # 45 s: make test-long, beside the other distribution tests
 def test_sampled_outputs_follow_the_target_through_hits_at_8_streams(small_vocab_pair):
     target_model, draft_model = small_vocab_pair
     target, draft = start_target(target_model), start_draft(draft_model)
