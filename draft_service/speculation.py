@@ -202,6 +202,10 @@ class SpeculationCache:
         live_rows = max(1.0, engine.live_rows)
         rows_free = self.max_rows - round(engine.live_rows) - self.running()
         worth = engine.overhead_tokens + engine.live_tokens  # a forward's cost, in tokens' worth
+        # A session's share of the budget: a session that stalls while it holds entries keeps them until
+        # its next step or its end, and must not starve the others.
+        share = self.budget_tokens // max(1, len(self._sessions))
+        held = 0
         chosen: list[tuple[Verdict, int]] = []
         for verdict in candidates:
             wanted = request.speculate.next_k_whole if verdict.whole and request.speculate.next_k_whole else 0
@@ -209,13 +213,19 @@ class SpeculationCache:
                 wanted or request.speculate.next_k, self.max_speculative_tokens, self.max_context - verdict.keep - 2
             )
             tokens = len(verdict.append) + int(verdict.whole) + next_k
-            if next_k < 1 or len(chosen) >= rows_free or self.held_tokens + tokens > self.budget_tokens:
+            if (
+                next_k < 1
+                or len(chosen) >= rows_free
+                or self.held_tokens + tokens > self.budget_tokens
+                or held + tokens > share
+            ):
                 continue
             first_guess = verdict.whole and verdict.rank == 1  # drafted ahead whatever the load, as before the cache
             if not first_guess and verdict.chance * next_k * worth < (next_k + 1) * live_rows:
                 continue
             chosen.append((verdict, next_k))
             self.held_tokens += tokens
+            held += tokens
         if not chosen:
             return
         branches = engine.fork(session.cache.slot, len(chosen))

@@ -308,9 +308,14 @@ def test_the_cache_keeps_to_its_budget_yields_to_live_sessions_and_frees_everyth
     held: list[int] = []
     launch = cache.launch
 
-    def launch_and_note(*args):  # the tokens held after each step that drafted ahead
-        launch(*args)
+    shares: list[tuple[int, int]] = []
+
+    def launch_and_note(session, request, job):  # the tokens held after each step that drafted ahead
+        sessions = len(cache._sessions) or 1
+        launch(session, request, job)
         held.append(cache.held_tokens)
+        mine = sum(entry.tokens for entry in cache._entries.get(session.session_id, ()))
+        shares.append((mine, budget // max(sessions, len(cache._sessions))))
 
     cache.launch = launch_and_note  # type: ignore[method-assign]
     engine = draft.servicer.engine
@@ -343,6 +348,7 @@ def test_the_cache_keeps_to_its_budget_yields_to_live_sessions_and_frees_everyth
         for prompt, ids in results:
             assert ids == hf_greedy(target_model, prompt, 30)
         assert cache.counts.hits > 0 and max(held) <= budget, (cache.counts, max(held))
+        assert all(mine <= share for mine, share in shares), shares  # no session takes more than its share
         print("speculation cache under load:", cache.counts, "branches reclaimed:", len(reclaimed))
     finally:
         orchestrator.stop()
