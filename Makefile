@@ -10,7 +10,7 @@ PAIR ?= default_models/pair
 PROMPT ?= def fibonacci(n):
 HOST ?= 127.0.0.1
 
-.PHONY: setup proto lint test test-long matrix run bench load-bench compare-bench host-bench link-bench prefix-bench gpu-bench sim-bench speculation-bench guidellm-bench soak wheel image python-base image-test models evaluate clean
+.PHONY: setup proto lint test test-long matrix run bench load-bench compare-bench host-bench link-bench prefix-bench gpu-bench sim-bench speculation-bench tree-bench guidellm-bench soak wheel image python-base image-test models evaluate clean
 
 setup: $(INSTALLED) $(GENERATED)
 
@@ -104,6 +104,11 @@ sim-bench: setup
 # The speculation cache's hit rate on the trained default pair, one stream (clock-free counts).
 speculation-bench: setup
 	$(PY) -m bench.speculation
+
+# Token trees against chains at equal verify tokens on the trained default pair, one stream (clock-free
+# counts, in-process: bench/tree.py; about 20 minutes).
+tree-bench: setup
+	$(PY) -m bench.tree
 
 # guidellm (the vLLM project's load tool) against the gateway: synthetic prompts with ignore_eos, every request
 # must complete (bench/guidellm.py). guidellm pins its own stack, so it gets a virtual environment of its own.
