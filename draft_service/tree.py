@@ -1,16 +1,17 @@
 """How the draft grows a token tree within a verify budget (docs/design.md, "Token trees").
 
-Best first, by the draft's own confidence (EAGLE-2's dynamic trees): the next node is the frontier's
-best, where the frontier holds each node's next child in its drawing order. A child's score is its
-parent's path confidence (the product of the draft's probabilities along the path) times the child's
-confidence. For a child that is a rank of q (greedy, or a point-mass rule) that is q of its token.
-For a sampled child it is what its token's q is expected to be before it is drawn (sum of q^2 over
-what is left to draw, over the mass left): whether a sampled child joins the tree may not depend on
-the token it drew (orchestrator/tree.py). A node's drawing order is fixed when its row is known, and
-its children are always a prefix of it.
+Best first (EAGLE-2's dynamic trees): the next node is the frontier's best, where the frontier holds
+each node's next child in its drawing order, scored by its parent's path value times the child's
+chance of being kept. With a `Calibration` (what the bench and the tests use) that chance is learnt
+from verdicts, by rank and by the node's confidence: the default pair's draft is underconfident, and
+scoring by its raw probabilities loses to the chain. Without one it is EAGLE-2's: q of the child's
+token for a rank of q (greedy, or a point-mass rule), and for a sampled child what its token's q is
+expected to be before it is drawn (sum of q^2 over what is left to draw, over the mass left). Either
+way, whether a sampled child joins the tree never depends on the token it drew (orchestrator/tree.py).
+A node's drawing order is fixed when its row is known, and its children are always a prefix of it.
 
 The builder never sees the target. It asks for the draft's rows only when a node without one could
-outrank the frontier: a node's children never score above its own path confidence.
+outrank the frontier: a node's children never score above its own path value.
 """
 
 from __future__ import annotations

@@ -217,8 +217,8 @@ class BatchView:
         """The forward succeeded with `logits` [B, kept, vocab] (rows in window order): its full blocks
         become reusable, the window holds its tokens, and each row's last num_logits logits come back in
         the order the rows were given (None where it wants none)."""
-        self.store.commit(self.rows)  # a tree row's tokens are dropped: its session holds what it held
-        self.window.valid = [row.start + (0 if row.parents else len(row.token_ids)) for row in self.rows]
+        self.store.commit(self.rows)  # a tree row's tokens are dropped, but for the chain it keeps
+        self.window.valid = [row.start + (row.kept if row.parents else len(row.token_ids)) for row in self.rows]
         given: list[torch.Tensor | None] = [None] * len(self.rows)
         for index, row_logits in zip(self.order, split_logits(logits, self.rows), strict=True):
             given[index] = row_logits

@@ -71,6 +71,7 @@ class Job:
     # blocks for before its first forward: more than `pending` when `advance` feeds more (the draft's).
     max_length: int = 0
     parents: tuple[int, ...] = ()  # a tree step: each pending token's parent (model_host/rows.py)
+    kept: int = 0  # of a tree step's tokens, the first that stay: a chain the step appends before its tree
     # Work no client waits for yet (a block drafted ahead, on a fork branch): scheduled after every
     # live step, in the rows they leave free, and not counted in the engine's live load.
     speculative: bool = False
@@ -291,7 +292,7 @@ class Engine:
         store = self.store
         try:
             # A step's own faults fail it here, never the forward it would share with other sessions
-            tree = tree_error(job.parents, len(job.pending), job.start)
+            tree = tree_error(job.parents, len(job.pending), job.start, job.kept)
             if tree or (job.parents and not self.forward.batched):
                 raise invalid_argument(tree or f"the {self.forward.name} forward serves chains only: no tree rows")
             if job.slot in store.reclaimed and job.start:
@@ -355,7 +356,7 @@ class Engine:
             if chosen and (len(chosen) >= limits.max_batch_size or tokens + len(feed) > limits.max_batch_tokens):
                 continue
             last = len(feed) == len(job.pending)
-            chosen.append((job, Row(job.slot, job.start, feed, job.num_logits if last else 0, job.parents)))
+            chosen.append((job, Row(job.slot, job.start, feed, job.num_logits if last else 0, job.parents, job.kept)))
             tokens += len(feed)
         return chosen
 
@@ -390,8 +391,8 @@ class Engine:
             job.forward_seconds += seconds
             if len(rows) >= job.batch_size:
                 job.batch_size, job.batch_tokens = len(rows), batch_tokens
-            if not row.parents:  # a tree's tokens are dropped after the forward: its session holds what it held
-                job.start += len(row.token_ids)
+            # A tree's tokens are dropped after the forward, but for the chain it keeps.
+            job.start += row.kept if row.parents else len(row.token_ids)
             job.pending = job.pending[len(row.token_ids) :]
             if job.pending:
                 continue  # the next chunk of a long feed
@@ -402,7 +403,7 @@ class Engine:
                 self._end(job, exc)
                 continue
             if more:
-                job.pending, job.parents = more, ()
+                job.pending, job.parents, job.kept = more, (), 0
             else:
                 self._active.remove(job)
                 if job.comes_straight_back:

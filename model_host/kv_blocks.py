@@ -358,12 +358,13 @@ class BlockStore:
 
     def commit(self, rows: list[Row]) -> None:
         """After a forward wrote the rows' keys and values: index the blocks it filled. A tree row's
-        tokens are no sequence: they are dropped instead (its session holds what it held before)."""
+        tokens are no sequence: they are dropped instead, but for the chain it keeps (its session holds
+        what it held before, and that chain)."""
         span = self.block_tokens
         for row in rows:
             if row.parents:
-                self.truncate(row.slot, row.start)
-            elif self.prefix_caching:
+                self.truncate(row.slot, row.start + row.kept)
+            if self.prefix_caching and (row.kept or not row.parents):
                 slot = self._slots[row.slot]
                 for index in range(len(slot.hashes), len(slot.tokens) // span):
                     parent = slot.hashes[-1] if slot.hashes else slot.root

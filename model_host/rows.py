@@ -14,11 +14,14 @@ class Row:
     token_ids: list[int]  # the tokens to feed, at cache positions start .. start + len - 1
     num_logits: int  # logits wanted for the last num_logits of token_ids (0: none)
     # A tree row: each token's parent among token_ids (-1: the cached prefix's last token). Its tokens
-    # sit at position start + depth and see their ancestors only; they are dropped after the forward.
+    # sit at position start + depth and see their ancestors only; they are dropped after the forward,
+    # but for its first `kept`, a chain from the cached prefix (what a step appends before its tree),
+    # which the session holds from then on.
     parents: tuple[int, ...] = ()
+    kept: int = 0
 
     def __post_init__(self) -> None:
-        error = tree_error(self.parents, len(self.token_ids), self.start)
+        error = tree_error(self.parents, len(self.token_ids), self.start, self.kept)
         if error:
             raise ValueError(error)
 
@@ -32,11 +35,14 @@ class Row:
         return depths
 
 
-def tree_error(parents: tuple[int, ...], count: int, start: int) -> str | None:
+def tree_error(parents: tuple[int, ...], count: int, start: int, kept: int = 0) -> str | None:
     """What is wrong with a tree of `count` tokens fed after `start` cached ones (None: nothing, or
-    no tree): each token's parent must be an earlier token or -1, and a tree grows from a prefix."""
+    no tree): each token's parent must be an earlier token or -1, a tree grows from a prefix, and its
+    first `kept` tokens are a chain from the prefix."""
     if not parents:
-        return None
+        return "kept tokens belong to a tree row: a chain row keeps all of its tokens" if kept else None
+    if not 0 <= kept <= count or any(parents[index] != index - 1 for index in range(kept)):
+        return "a tree row's kept tokens must be its first tokens, a chain from the cached prefix"
     if len(parents) != count or any(not -1 <= parent < index for index, parent in enumerate(parents)):
         return "a tree row's parents must name an earlier token of the row, or -1, for each token"
     if not start:

@@ -155,9 +155,48 @@ def test_a_tree_rows_logits_equal_one_forward_per_root_to_leaf_path(family):
             _step(forward, model, sequences, {0: [tokens[0]], 1: [rng.randrange(VOCAB)]})  # the accepted path, re-fed
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral-window"])
+def test_a_tree_row_keeps_the_chain_it_appends_before_its_tree(family):
+    """A verify step's row: the tokens it appends (a chain that stays), then its tree (dropped). Each
+    node's logits are the model's own over the prefix, the chain and the node's path; the session then
+    holds the prefix and the chain, and steps on from there."""
+    rng = random.Random(family + "kept")
+    for name, forward, model, store in _forwards(family):
+        sequences: dict[int, list[int]] = {0: []}
+        _step(forward, model, sequences, {0: [rng.randrange(VOCAB) for _ in range(2 * WINDOW + 1)]})
+        chain = [rng.randrange(VOCAB) for _ in range(3)]
+        tokens, parents = _tree(rng, 6)
+        row = Row(
+            0,
+            len(sequences[0]),
+            chain + tokens,
+            len(chain) + len(tokens),
+            (-1, 0, 1, *[len(chain) - 1 if p < 0 else p + len(chain) for p in parents]),
+            kept=len(chain),
+        )
+        with torch.inference_mode():
+            (logits,) = forward([row])
+        assert logits is not None
+        prefix = sequences[0] + chain
+        for node in range(len(tokens)):
+            want = _own_logits(model, prefix + [tokens[i] for i in _path(parents, node)], 1)[0]
+            assert torch.allclose(logits[len(chain) + node], want, atol=ATOL), (name, node)
+        assert torch.allclose(logits[: len(chain)], _own_logits(model, prefix, len(chain)), atol=ATOL), name
+        assert store.length(0) == len(prefix), name
+        sequences[0] = prefix
+        _step(forward, model, sequences, {0: [tokens[0], rng.randrange(VOCAB)]})  # the accepted path, re-fed
+        _check_blocks(store)
+        store.release(0)
+        assert store.used_blocks == 0, name
+
+
 def test_a_tree_row_names_earlier_parents_and_grows_from_a_cached_prefix():
     with pytest.raises(ValueError, match="parents"):
         Row(0, 4, [1, 2], 2, (0, -1))  # the first token's parent is itself
+    with pytest.raises(ValueError, match="kept"):
+        Row(0, 4, [1, 2, 3], 3, (-1, -1, 0), kept=2)  # the kept tokens are no chain
+    with pytest.raises(ValueError, match="kept"):
+        Row(0, 4, [1, 2], 2, kept=1)  # a chain row keeps everything anyway
     with pytest.raises(ValueError, match="parents"):
         Row(0, 4, [1, 2, 3], 3, (-1, 0))
     assert Row(0, 4, [1, 2, 3, 4], 4, (-1, 0, 0, -1)).depths() == [0, 1, 1, 0]
