@@ -34,9 +34,10 @@ from model_host.forward import BatchedForward
 from model_host.kv_blocks import BlockStore
 from model_host.loading import load_model
 from model_host.rows import Row
-from orchestrator.tree import SampledTree, TreeRule, verify_tree_greedy, verify_tree_sampled
+from orchestrator.tree import SampledTree, verify_tree_greedy, verify_tree_sampled
 from serving.logits import logits_to_probs
 from serving.sampling import SamplingParams
+from serving.trees import TreeRule
 
 PAIR = Path(__file__).resolve().parents[1] / "default_models" / "pair"
 RESULTS = Path(__file__).resolve().parent / "results"

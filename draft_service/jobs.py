@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draft_service.tree import TreeBuilder
 from model_host.engine import Job
 from serving.constraints import SessionConstraint, TokenBan, mask_logits
 from serving.logits import logits_to_probs, sample_index
@@ -130,3 +131,32 @@ class GuessingDraftJob(DraftJob):
                 return None  # the structured output would end there: nothing to draft past it
             self.constraint.consume(self.guess)
         return [self.guess]
+
+
+@dataclass(eq=False)
+class TreeDraftJob(Job):
+    """Feed the new tokens, then grow a token tree (draft_service/tree.py): each further engine iteration
+    feeds the tree so far as a tree row (its tokens dropped afterwards) and reads the draft's rows at the
+    nodes the builder asked for. Greedy: the rows are the draft's distributions at temperature 1."""
+
+    builder: TreeBuilder | None = None
+    asked: list[int] = field(default_factory=lambda: [-1])  # the nodes whose rows the last feed scores
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # node (-1: the root) -> its row, for learning
+
+    def advance(self, logits: torch.Tensor) -> list[int] | None:
+        builder = self.builder
+        assert builder is not None
+        probs = logits.float().softmax(-1)  # [num_logits, vocab]
+        for node in self.asked:
+            row = probs[-1] if node < 0 else probs[node]  # the root's: the appended chain's last
+            self.rows[node] = row
+            builder.known(node, row)
+        self.asked = builder.rows_wanted()
+        if not self.asked:
+            return None
+        self.num_logits = len(builder.token_ids)
+        return list(builder.token_ids)
+
+    def feed_parents(self) -> tuple[int, ...]:
+        assert self.builder is not None
+        return tuple(self.builder.parents)

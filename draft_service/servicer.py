@@ -17,9 +17,10 @@ import grpc
 import structlog
 import torch
 
-from draft_service.jobs import DraftJob, GuessingDraftJob
+from draft_service.jobs import DraftJob, GuessingDraftJob, TreeDraftJob
 from draft_service.lean import LeanDraft
 from draft_service.speculation import GUESSES, SpeculationCache
+from draft_service.tree import Calibration, TreeBuilder
 from model_host.config import ModelServiceConfig
 from model_host.engine import Job
 from model_host.forward import Forward
@@ -30,6 +31,7 @@ from serving.constraints import SessionConstraint, TokenBan
 from serving.errors import invalid_argument
 from serving.logits import rows_to_wire
 from serving.sampling import SamplingParams, seeded_generator
+from serving.trees import DraftTree
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = "specdec.v1.DraftService"
@@ -51,6 +53,10 @@ class DraftServicer(
         # session id -> (its steps so far, its last steps' (step number, params, [k, vocab] logit rows))
         self._rows: dict[str, tuple[int, deque[tuple[int, SamplingParams, torch.Tensor]]]] = {}
         super().__init__(loaded, config)
+        # Token trees: how often a node's child at each rank is kept, learnt from every session's verdicts,
+        # and each session's last tree (its length before it, the tree, the rows it grew from).
+        self.tree_calibration = Calibration(config.max_speculative_tokens)
+        self._trees: dict[str, tuple[int, DraftTree, dict[int, torch.Tensor]]] = {}
         self.speculation: SpeculationCache | None = None  # blocks drafted ahead (draft_service/speculation.py)
         if config.speculation_cache_tokens and self.engine.forward.batched:
             self.speculation = SpeculationCache(
@@ -76,6 +82,8 @@ class DraftServicer(
         return self.serve_link(request_iterator, context)
 
     def tokens_fed_by(self, request: draft_pb2.DraftRequest) -> int:
+        if request.tree_budget:  # the tree is written after the sequence, every node, then dropped
+            return request.keep + len(request.append_token_ids) + request.tree_budget
         # Every draft token but the last is fed back through the model.
         return request.keep + len(request.append_token_ids) + max(0, request.num_speculative_tokens - 1)
 
@@ -93,8 +101,39 @@ class DraftServicer(
             raise invalid_argument(f"min_confidence must be in [0, 1]; got {request.min_confidence}")
         SamplingParams.from_proto(request.sampling)
         TokenBan.from_proto(request.ban, self.loaded.vocab_size)
+        if request.tree_budget:
+            self._check_tree(request)
+
+    def _check_tree(self, request: draft_pb2.DraftRequest) -> None:
+        if request.tree_budget != request.num_speculative_tokens:
+            raise invalid_argument(
+                f"tree_budget must equal num_speculative_tokens; got {request.tree_budget} and "
+                f"{request.num_speculative_tokens}"
+            )
+        if not self.engine.forward.batched:
+            raise invalid_argument(f"the {self.engine.forward.name} forward serves chains only: no token trees")
+        unserved = [
+            name
+            for name, present in (
+                ("sampling", not SamplingParams.from_proto(request.sampling).greedy),
+                ("structured_output", request.HasField("structured_output")),
+                ("ban", request.HasField("ban")),
+                ("vocab_limit", request.vocab_limit > 0),
+                ("speculate", request.HasField("speculate")),
+            )
+            if present
+        ]
+        if unserved:
+            raise invalid_argument(
+                f"a tree step is greedy and plain in this version; drop {', '.join(unserved)} or the tree"
+            )
 
     def make_job(self, slot: int, request: draft_pb2.DraftRequest, constraint: SessionConstraint | None) -> Job:
+        if request.tree_budget:
+            builder = TreeBuilder(
+                None, request.tree_budget, seeded_generator(request.seed), calibration=self.tree_calibration
+            )
+            return TreeDraftJob(slot, request.keep, list(request.append_token_ids), 1, builder=builder)
         return self.draft_job(slot, request, constraint)
 
     def draft_job(
@@ -132,6 +171,10 @@ class DraftServicer(
         return job
 
     def drafted_ahead(self, session: Session, request: draft_pb2.DraftRequest) -> tuple[Job, Future[Any]] | None:
+        last_tree = self._trees.pop(session.session_id, None)
+        if last_tree is not None and request.keep == last_tree[0]:  # the step names the tree's verdict
+            _, tree, rows = last_tree
+            self.tree_calibration.learn_from_tokens(tree, rows, list(request.append_token_ids))
         if self.speculation is None:
             return None
         entry = self.speculation.take(session, request)
@@ -140,6 +183,16 @@ class DraftServicer(
         return entry.job, self.speculation.settle(session, entry)
 
     def respond(self, job: Job, request: draft_pb2.DraftRequest, session: Session) -> draft_pb2.DraftResponse:
+        if isinstance(job, TreeDraftJob):
+            assert job.builder is not None
+            tree = job.builder.tree()
+            self._trees[session.session_id] = (job.start, tree, job.rows)
+            return draft_pb2.DraftResponse(
+                result=common_pb2.SESSION_RESULT_OK,
+                draft_token_ids=tree.token_ids,
+                tree_parents=tree.parents,
+                cached_tokens=job.start,
+            )
         assert isinstance(job, DraftJob)
         speculated = job.speculative
         k = request.num_speculative_tokens
@@ -191,6 +244,7 @@ class DraftServicer(
 
     def forget(self, session: Session) -> None:
         self._rows.pop(session.session_id, None)
+        self._trees.pop(session.session_id, None)
         if self.speculation is not None:
             self.speculation.forget(session)
 

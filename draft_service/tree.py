@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from orchestrator.tree import DraftTree, TreeRule
 from serving.logits import sample_index
+from serving.trees import DraftTree, TreeRule
 
 
 def drawing_order(rule: TreeRule | None, row: torch.Tensor, count: int, generator: torch.Generator) -> list[int]:
@@ -72,6 +72,18 @@ class Calibration:
         rank = min(rank, self.tested.shape[0] - 1)
         bucket = self._bucket(row)
         return float(self.kept[rank, bucket] / self.tested[rank, bucket])
+
+    def learn_from_tokens(self, tree: DraftTree, rows: dict[int, torch.Tensor], token_ids: list[int]) -> None:
+        """Learn from a greedy verdict told by the tokens it committed: the path follows, from the root,
+        the child whose token comes next (the first such, should siblings repeat a token)."""
+        node, path = -1, []
+        for token in token_ids:
+            child = next((c for c in tree.children(node) if tree.token_ids[c] == token), None)
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        self.learn(tree, rows, path)
 
     def learn(self, tree: DraftTree, rows: dict[int, torch.Tensor], path: list[int]) -> None:
         """Count the tests a verdict made: at the root and each accepted node, its children up to the one
@@ -149,15 +161,20 @@ class TreeBuilder:
         best = max((self._score(s) for s in self._nodes.values() if s.row is not None), default=0.0)
         return any(s.row is None and s.confidence > best for s in self._nodes.values()) or best <= 0.0
 
-    def build(self, draft_rows: Callable[[list[int]], list[torch.Tensor]]) -> DraftTree:
-        """Grow to the budget. `draft_rows(nodes)` runs the draft over the tree so far and gives its rows
-        at those nodes (-1: the root), in that order: one draft forward."""
+    def rows_wanted(self) -> list[int]:
+        """Grow while no draft row is needed; then the nodes (-1: the root) whose rows the draft must
+        give before the tree can grow on, or [] when it is done (full, or no node has a child left)."""
         while not self.full:
             missing = self.missing_rows()
             if not (missing and self.needs_rows()) and self.grow():
                 continue
-            if not missing:
-                break  # no node has a child left
+            return missing
+        return []
+
+    def build(self, draft_rows: Callable[[list[int]], list[torch.Tensor]]) -> DraftTree:
+        """Grow to the budget. `draft_rows(nodes)` runs the draft over the tree so far and gives its rows
+        at those nodes (-1: the root), in that order: one draft forward."""
+        while missing := self.rows_wanted():
             for node, row in zip(missing, draft_rows(missing), strict=True):
                 self.known(node, row)
         return self.tree()

@@ -107,6 +107,7 @@ EXTENSION_FIELDS = {
     "num_speculative_tokens",
     "speculation_policy",
     "overlap_drafting",
+    "speculation_tree",
     "draft_method",
     "top_k",
     "cache_salt",
@@ -159,10 +160,11 @@ def build_request(
         request.speculation_policy = POLICY_BY_NAME[_choice(body, "speculation_policy", POLICY_BY_NAME)]
     if body.get("draft_method") is not None:
         request.draft_method = DRAFT_METHOD_BY_NAME[_choice(body, "draft_method", DRAFT_METHOD_BY_NAME)]
-    if body.get("overlap_drafting") is not None:
-        if not isinstance(body["overlap_drafting"], bool):
-            raise invalid("`overlap_drafting` must be true or false", "overlap_drafting")
-        request.overlap_drafting = body["overlap_drafting"]
+    for flag in ("overlap_drafting", "speculation_tree"):
+        if body.get(flag) is not None:
+            if not isinstance(body[flag], bool):
+                raise invalid(f"`{flag}` must be true or false", flag)
+            setattr(request, flag, body[flag])
     request.request_id = request_id
     stream = body.get("stream")
     stream = False if stream is None else stream

@@ -85,6 +85,10 @@ class Job:
         """Logits [num_logits, vocab] after `pending` was fed: the next tokens to feed, or None when done."""
         return None
 
+    def feed_parents(self) -> tuple[int, ...]:
+        """The parents of the tokens `advance` just returned: () for a chain (a tree job's next tree)."""
+        return ()
+
 
 class Engine:
     """One model, one thread, one forward per iteration over every ready job."""
@@ -299,8 +303,12 @@ class Engine:
                 raise _dropped()
             store.truncate(job.slot, job.start)
             if job.start == 0:
-                job.reused = store.reuse(job.slot, job.pending, job.most_reused(), job.cache_salt)
-                job.start, job.pending = job.reused, job.pending[job.reused :]
+                most = job.most_reused() if not job.parents else min(job.most_reused(), job.kept - 1)
+                job.reused = reused = store.reuse(job.slot, job.pending, most, job.cache_salt)
+                job.start, job.pending = reused, job.pending[reused:]
+                if job.parents and reused:  # the tree row starts past the reused part of its chain
+                    job.parents = tuple(max(parent - reused, -1) for parent in job.parents[reused:])
+                    job.kept -= reused
             length = max(job.max_length, job.start + len(job.pending))
             if not store.reserve(job.slot, length):
                 taken = (store.used_blocks + store.reserved_blocks) * store.block_tokens
@@ -403,7 +411,7 @@ class Engine:
                 self._end(job, exc)
                 continue
             if more:
-                job.pending, job.parents, job.kept = more, (), 0
+                job.pending, job.parents, job.kept = more, job.feed_parents(), 0
             else:
                 self._active.remove(job)
                 if job.comes_straight_back:

@@ -24,6 +24,7 @@ class OrchestratorConfig:
     num_speculative_tokens: int = 2
     speculation_policy: str = "load_aware"
     overlap_drafting: bool = True
+    speculation_tree: str = "off"
     draft_method: str = "model"
     ngram_min: int = 2
     ngram_max: int = 4
@@ -69,6 +70,8 @@ _HELP: dict[str, str] = {
     "num_speculative_tokens": "K for requests that leave it unset",
     "speculation_policy": "how K changes between rounds: " + ", ".join(POLICIES),
     "overlap_drafting": "draft the next block while the target verifies the current one",
+    "speculation_tree": "off, or auto: greedy rounds draft a token tree of K nodes instead of a chain (off: on the "
+    "default pair trees accept as many tokens a round as chains, README 'Token trees against chains')",
     "draft_method": "who proposes draft tokens for requests that leave it unset: " + ", ".join(DRAFT_METHODS),
     "ngram_min": "prompt lookup: the shortest suffix (in tokens) that may match",
     "ngram_max": "prompt lookup: the longest suffix tried first",
@@ -117,6 +120,8 @@ def parse_orchestrator_config(argv: Sequence[str] | None = None) -> Orchestrator
         parser.error("--target is required (HOST:PORT of the target service), or set SPECDEC_TARGET")
     if config.speculation_policy not in POLICIES:
         parser.error(f"--speculation-policy must be one of {', '.join(POLICIES)}")
+    if config.speculation_tree not in ("off", "auto"):
+        parser.error(f"--speculation-tree must be off or auto; got {config.speculation_tree!r}")
     if config.draft_method not in DRAFT_METHODS:
         parser.error(f"--draft-method must be one of {', '.join(DRAFT_METHODS)}")
     if not 1 <= config.ngram_min <= config.ngram_max:

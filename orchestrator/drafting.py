@@ -61,16 +61,17 @@ class Drafter:
             log.info("drafting_stopped", request_id=self.request.request_id, reason="a token past the draft's width")
             self.refused = True
 
-    async def propose(self, context: Context, k: int, ahead_k: tuple[int, int] = (0, 0)) -> Draft:
+    async def propose(self, context: Context, k: int, ahead_k: tuple[int, int] = (0, 0), tree: bool = False) -> Draft:
         """The draft's block of k tokens (capped by `round_plan.cap`) continuing `context` (the committed
         sequence, or it plus a block under verification), or NO_DRAFT (the target alone, still exact)
-        when the draft fails. `ahead_k`: the K of the blocks the draft drafts ahead for the verdicts."""
+        when the draft fails. `ahead_k`: the K of the blocks the draft drafts ahead for the verdicts;
+        `tree`: a token tree of at most k nodes instead of a chain."""
         assert self.stream is not None and k >= 1
         draft = self.stream
         try:  # a step unanswered for --draft-timeout-s raises TimeoutError (its link's timer)
             stepped = await draft.step(
                 context,
-                lambda keep: self.fields.draft(context, keep, k, ahead_k),
+                lambda keep: self.fields.draft(context, keep, k, ahead_k, tree),
                 fed_beyond=lambda response: response.draft_token_ids,  # all but the last are fed
             )
             response = stepped.response
@@ -80,6 +81,11 @@ class Drafter:
                 raise WireFormatError(f"draft returned {len(token_ids)} tokens for k = {k}")
             if max(token_ids) >= self.limits.vocab_size or min(token_ids) < 0:
                 raise WireFormatError(f"draft returned a token outside the target's vocabulary: {token_ids}")
+            parents = tuple(response.tree_parents)
+            if tree and (len(parents) != len(token_ids) or any(not -1 <= p < i for i, p in enumerate(parents))):
+                raise WireFormatError(f"draft returned a tree of {len(token_ids)} tokens with parents {list(parents)}")
+            if parents and not tree:
+                raise WireFormatError("draft returned a tree for a chain's step")
             if probs is not None and (len(probs) != len(token_ids) or not all(0.0 < q <= 1.0 for q in probs)):
                 raise WireFormatError(
                     f"draft returned {len(probs)} probabilities for {len(token_ids)} tokens, or one outside (0, 1]"
@@ -105,6 +111,7 @@ class Drafter:
             fed=stepped.fed,
             forward_seconds_per_token=response.timing.forward_seconds / len(token_ids),
             speculated=response.speculated,
+            parents=parents,
         )
 
     async def row(

@@ -160,10 +160,26 @@ class Generation:
             drafting=self.drafter.usable,
             overlap=self.request.overlap_drafting,
             speculation_cache=self.request.overlap_drafting and self.limits.draft_speculates,
+            tree=self._trees(),
             constrained=self.constraint is not None,
             forced=forced,
             lookup=lookup,
             probe_pending=self._ahead is not None and self._ahead.scored,
+        )
+
+    def _trees(self) -> bool:
+        """Whether this round may draft a token tree: asked for, served by both models, and a round
+        whose step needs nothing a tree step does not carry yet (sampling, a constraint, min_tokens'
+        ban, logprobs, the prompt's logprobs still to come)."""
+        request = self.request
+        return (
+            request.tree
+            and self.limits.trees
+            and request.sampling.greedy
+            and self.constraint is None
+            and not (request.ban is not None and len(self.sequence) < request.ban.until)
+            and not request.logprobs
+            and (request.prompt_logprobs is None or self.verifier.prompt_logprobs is not None)
         )
 
     async def run_round(self, plan: RoundPlan) -> RoundOutcome:
@@ -187,7 +203,7 @@ class Generation:
             block = (
                 ahead.first(plan.k)
                 if ahead is not None
-                else await self.drafter.propose(Context(self.sequence), plan.k, plan.ahead_k)
+                else await self.drafter.propose(Context(self.sequence), plan.k, plan.ahead_k, plan.tree)
             )
         draft_wait = time.perf_counter() - started  # what the target's step waited for
         CHOSEN_K.observe(len(block.token_ids))

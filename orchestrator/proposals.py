@@ -119,6 +119,7 @@ class Draft:
     forward_seconds_per_token: float = 0.0  # the draft step's forward seconds per token it drafted
     rows_at: RowsAt | None = None  # a sampled model block's rows, on the draft service
     speculated: bool = False  # drafted ahead by the draft's speculation cache while the last step was verified
+    parents: tuple[int, ...] = ()  # a token tree: each token's parent among token_ids (-1: the sequence's end)
 
     def first(self, k: int) -> Draft:
         """The first k tokens (a ready block may be longer than this round allows)."""

@@ -41,6 +41,7 @@ class GenerationRequest:
     logprobs: bool = False  # the target's logprob of each generated token
     top_logprobs: int = 0  # alternatives per generated token
     prompt_logprobs: int | None = None  # the prompt's logprobs with this many alternatives; None: none
+    tree: bool = False  # greedy model rounds may draft a token tree (speculation_tree)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class ModelLimits:
     draft_vocab_size: int = 0  # the draft's row width (0: the target's); a padded pair's may differ
     draft_constrains: bool = False  # the draft applies structured outputs (ModelInfo.structured_output_kinds)
     draft_speculates: bool = False  # the draft has a speculation cache (ModelInfo.speculation_cache_tokens)
+    trees: bool = False  # both services run the batched forward, which scores tree rows (ModelInfo.batched)
 
 
 class StepFields:
@@ -66,10 +68,12 @@ class StepFields:
         self.sampling = request.sampling.to_proto()  # the same for every round
         self.constraint = constraint_fields  # sent on a session's first step (keep = 0)
 
-    def draft(self, context: Context, keep: int, k: int, ahead_k: tuple[int, int] = (0, 0)) -> draft_pb2.DraftRequest:
+    def draft(
+        self, context: Context, keep: int, k: int, ahead_k: tuple[int, int] = (0, 0), tree: bool = False
+    ) -> draft_pb2.DraftRequest:
         """A draft step of k tokens after `context`; `ahead_k`: the K of the blocks the draft drafts ahead
         for this step's verdicts, after a rejection and after the whole block (its speculation cache;
-        0: none)."""
+        0: none); `tree`: a token tree of k nodes instead of a chain."""
         request, limits, n = self.request, self.limits, len(context)
         base = request.seed * _SEED_MIX & _U64
         return draft_pb2.DraftRequest(
@@ -77,6 +81,7 @@ class StepFields:
             keep=keep,
             append_token_ids=context[keep:],
             num_speculative_tokens=k,
+            tree_budget=k if tree else 0,
             sampling=self.sampling,
             # Seeded by position, so a block drafted again after a lost session is the same block.
             seed=(base + n) & _U64,

@@ -11,7 +11,8 @@ if this one were all accepted (its first token guesses the bonus token); in the 
 same beside the target's prefill; at K = 0, a probe (one token for the position the step decides, for
 the policy to learn from at no cost to the round's time). A draft service with a speculation cache
 drafts the next block itself, for each likely verdict (draft_service/speculation.py): a model block
-then asks for it (`RoundPlan.ahead_k`) and has no side step.
+then asks for it (`RoundPlan.ahead_k`) and has no side step. A request that drafts token trees
+(`RoundState.tree`) drafts a tree of K nodes after its first round, with nothing beside it.
 
 Every K is capped by one function, `cap`, so that no round overshoots max_new_tokens, a context, or
 the draft's own bound on a step.
@@ -43,6 +44,7 @@ class RoundState:
     lookup: Sequence[int] | None = None  # the prompt lookup's continuation (None: no lookup)
     probe_pending: bool = False  # a probe beside the last step has not been scored yet
     speculation_cache: bool = False  # the draft service drafts the next blocks itself (with overlap only)
+    tree: bool = False  # a model block may be a token tree (greedy, unconstrained, no ban or logprobs)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class RoundPlan:
     # The K of the blocks the draft's speculation cache drafts ahead after a rejection and after the
     # whole block (0: none).
     ahead_k: tuple[int, int] = (0, 0)
+    tree: bool = False  # the model block is a token tree of k nodes (nothing is drafted beside it)
 
     @property
     def scored(self) -> bool:
@@ -107,6 +110,8 @@ def plan_round(state: RoundState, policy: KPolicy, lookup_policy: KPolicy | None
         side_k = _ahead(k, state, 0, limits)
         if side_k:
             return RoundPlan(state, NO_DRAFT, side_k=side_k, beside_prefill=True, lookup_idle=lookup_idle)
+    if k and state.tree and state.produced:  # after the prefill round: its prompt is fed as a chain
+        return RoundPlan(state, None, k=k, next_k=next_k, lookup_idle=lookup_idle, tree=True)
     if k:
         ahead = (0, 0)
         if state.speculation_cache:  # after a rejection at least 1 token is committed, after a whole block k + 1
@@ -127,6 +132,8 @@ def side_k_for(plan: RoundPlan, block: Draft, limits: ModelLimits) -> int:
     state = plan.state
     if plan.side_k or not state.overlap or not block.token_ids or block.proposer != MODEL:
         return plan.side_k
+    if block.parents:
+        return 0  # a tree's verdict is no chain's: nothing drafted ahead guesses it
     if state.speculation_cache:
         return 0  # the draft service drafts ahead itself
     if state.constrained and any(t in limits.eos_token_ids for t in block.token_ids):

@@ -358,6 +358,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             )
         seed = request.seed if request.HasField("seed") else random.getrandbits(64)
         overlap = request.overlap_drafting if request.HasField("overlap_drafting") else cfg.overlap_drafting
+        tree = request.speculation_tree if request.HasField("speculation_tree") else cfg.speculation_tree == "auto"
         request_id = request.request_id or uuid.uuid4().hex
         salt = request.cache_salt.encode()
         if len(salt) > MAX_CACHE_SALT_BYTES:
@@ -379,6 +380,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             cache_salt=salt,
             constraint=constraint,
             constraint_template=template,
+            tree=tree and k > 0,
             **extras,
         )
         return generation_request, policy
@@ -462,6 +464,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             draft_constrains=bool(self.draft and self.draft.info and self.draft.info.structured_output_kinds),
             draft_vocab_size=self.draft.info.vocab_size if self.draft and self.draft.info else 0,
             draft_speculates=bool(self.draft and self.draft.info and self.draft.info.speculation_cache_tokens),
+            trees=bool(self.draft and self.draft.info and self.draft.info.batched and self.target_info.batched),
         )
 
     def _generation(self, request: GenerationRequest, policy: str) -> Generation:

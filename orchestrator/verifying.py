@@ -20,11 +20,13 @@ from orchestrator.proposals import NO_DRAFT, Draft, Stats
 from orchestrator.rejection import CompactRound, Verdict, draw_uniforms, verify_greedy
 from orchestrator.requests import StepFields
 from orchestrator.sampler import BatchSampler
+from orchestrator.tree import verify_tree_greedy
 from orchestrator.upstream import Context, SessionStream
 from orchestrator.verdicts import TargetDisagreement, check_sampled
 from serving.errors import ServiceError
 from serving.sampling import seeded_generator
 from serving.tensors import WireFormatError
+from serving.trees import DraftTree
 from specdec.v1 import common_pb2, orchestrator_pb2, target_pb2
 
 log = structlog.get_logger(__name__)
@@ -96,6 +98,7 @@ class Verifier:
                     **ban,
                     **fields.logprobs(keep, self.prompt_logprobs is None),
                     **sampled,
+                    tree_parents=block.parents,
                 ),
                 min_append=rows,  # the rows start at the last committed token
             )
@@ -111,6 +114,8 @@ class Verifier:
         if self.times is not None:
             self.times.target.observe(response.timing)
         self._take_prompt_logprobs(response, len(context) - rows)
+        if self.request.sampling.greedy and block.parents:
+            return Checked(self._tree_verdict(block, list(response.argmax_token_ids)), target_seconds)
         if self.request.sampling.greedy:
             verdict = verify_greedy(block.token_ids, response.argmax_token_ids)
             return Checked(verdict, target_seconds, logprobs=self._wire_logprobs(response, verdict.output_token_ids))
@@ -143,6 +148,17 @@ class Verifier:
             logprobs = self._wire_logprobs(response, block.token_ids[:num_accepted])
             logprobs.append(entry_from_row(target_row, verdict.output_token_ids[-1], self.request.top_logprobs))
         return Checked(verdict, target_seconds, target_row, logprobs)
+
+    def _tree_verdict(self, block: Draft, argmax: list[int]) -> Verdict:
+        """Greedy down a token tree: the path of the target's own tokens, and its token after it."""
+        if len(argmax) != len(block.token_ids) + 1:
+            self.target.reset()  # the replica is avoided for a while
+            raise ServiceError(
+                grpc.StatusCode.INTERNAL,
+                f"the target replica answered {len(argmax)} rows for a tree of {len(block.token_ids)} nodes",
+            )
+        walked = verify_tree_greedy(DraftTree(block.token_ids, block.parents), argmax)
+        return Verdict(walked.output_token_ids, walked.num_accepted, len(block.token_ids))
 
     def _wire_logprobs(
         self, response: target_pb2.VerifyResponse, token_ids: list[int]

@@ -67,6 +67,51 @@ def answer_logprobs_greedy(
     response.logprobs.CopyFrom(token_logprobs(logits[: j + 1].float(), argmax[: j + 1], request.top_logprobs))
 
 
+def check_tree(request: target_pb2.VerifyRequest) -> None:
+    """A tree step's own faults, named: its parents, and what a tree step does not serve yet."""
+    nodes = request.num_rows - 1
+    if len(request.tree_parents) != nodes:
+        raise invalid_argument(
+            f"tree_parents must hold num_rows - 1 = {nodes} parents; got {len(request.tree_parents)}"
+        )
+    if any(not -1 <= parent < node for node, parent in enumerate(request.tree_parents)):
+        raise invalid_argument("tree_parents must name an earlier node of the tree, or -1, for each node")
+    unserved = [
+        name
+        for name, present in (
+            ("sampling", not SamplingParams.from_proto(request.sampling).greedy),
+            ("structured_output", request.HasField("structured_output")),
+            ("ban", request.HasField("ban")),
+            ("logprobs", request.logprobs),
+            ("prompt_logprobs", request.prompt_logprobs),
+        )
+        if present
+    ]
+    if unserved:
+        raise invalid_argument(
+            f"a tree step is greedy and plain in this version; drop {', '.join(unserved)} or the tree"
+        )
+
+
+def tree_job(slot: int, request: target_pb2.VerifyRequest) -> VerifyJob:
+    """Feed the tokens before the tree as a chain that stays, and the tree after them, in one row."""
+    ids = list(request.append_token_ids)
+    chain = len(ids) - (request.num_rows - 1)  # at least one: the row that scores the first node
+    parents = (*range(-1, chain - 1), *[chain - 1 if p < 0 else chain + p for p in request.tree_parents])
+    return VerifyJob(
+        slot,
+        request.keep,
+        ids,
+        request.num_rows,
+        comes_straight_back=False,
+        parents=parents,
+        kept=chain,
+        max_length=request.keep + len(ids),
+        params=SamplingParams.from_proto(request.sampling),
+        num_rows=request.num_rows,
+    )
+
+
 @dataclass(eq=False)
 class VerifyJob(Job):
     """Feed the block; keep the logits of its last num_logits positions."""
@@ -118,6 +163,8 @@ class TargetServicer(
                     f"{self.config.max_batch_tokens} tokens; got {len(request.append_token_ids)}"
                 )
         TokenBan.from_proto(request.ban, self.loaded.vocab_size)
+        if request.tree_parents:
+            check_tree(request)
         if SamplingParams.from_proto(request.sampling).greedy:
             return
         k = request.num_rows - 1
@@ -130,6 +177,8 @@ class TargetServicer(
             raise invalid_argument("uniforms must be in [0, 1)")
 
     def make_job(self, slot: int, request: target_pb2.VerifyRequest, constraint: SessionConstraint | None) -> Job:
+        if request.tree_parents:
+            return tree_job(slot, request)
         # After a block's verify the session drafts before it verifies again: no batch waits for it.
         ids = list(request.append_token_ids)
         params = SamplingParams.from_proto(request.sampling)

@@ -180,7 +180,8 @@ def test_a_model_without_a_chat_template_is_told_so(tiny_pair):
      ("frequency_penalty", -1), ("logit_bias", {"5": 10}), ("suffix", "w2"), ("frobnicate", 1),
      ("max_tokens", 0), ("max_tokens", "ten"), ("temperature", "hot"), ("stop", 5), ("prompt", []),
      ("speculation_policy", "fastest"), ("draft_method", "magic"), ("temperature", 500),
-     ("max_tokens", 10**12), ("top_k", -1), ("num_speculative_tokens", 99), ("overlap_drafting", "yes")],
+     ("max_tokens", 10**12), ("top_k", -1), ("num_speculative_tokens", 99), ("overlap_drafting", "yes"),
+     ("speculation_tree", 1)],
 )  # fmt: skip
 def test_unsupported_or_invalid_fields_are_400_naming_them(gateway, field, value):
     body = {"model": gateway.model, "prompt": "w1 w2", "max_tokens": 3, field: value}

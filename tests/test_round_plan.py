@@ -153,3 +153,13 @@ def test_a_block_drafted_ahead_is_used_only_when_its_guess_was_right():
     assert still_valid(ahead, [4, 9], False, [4, 9]) is None  # a rejection
     assert still_valid(ahead, [4, 9], True, [4]) is None  # cut at EOS
     assert still_valid(Draft([9], None), [9], True, [9]) is None  # nothing after the guess
+
+
+def test_a_tree_request_drafts_a_tree_of_k_nodes_after_its_first_round_with_nothing_beside_it():
+    state = replace(STATE, tree=True, speculation_cache=True)
+    plan = plan_round(state, Counting(4), None, LIMITS)
+    assert (plan.block, plan.k, plan.tree, plan.ahead_k) == (None, 4, True, (0, 0))
+    assert side_k_for(plan, Draft([5, 6, 7, 8], None, parents=(-1, 0, -1, 2)), LIMITS) == 0
+    first = plan_round(replace(state, produced=0, overlap=False, speculation_cache=False), Counting(4), None, LIMITS)
+    assert first.k == 4 and not first.tree  # the prompt goes to both services as a chain's step
+    assert not plan_round(STATE, Counting(4), None, LIMITS).tree

@@ -16,7 +16,9 @@ import functools
 import itertools
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 import torch
 from scipy import stats
@@ -24,10 +26,15 @@ from scipy import stats
 import orchestrator.tree as tree_module
 from bench.tree import Model, generate
 from draft_service.tree import Calibration, TreeBuilder, drawing_order
+from model_host.loading import LoadedModel
 from orchestrator.rejection import SampledRound, verify_sampled
-from orchestrator.tree import DraftTree, SampledTree, TreeRule, verify_tree_greedy, verify_tree_sampled
+from orchestrator.tree import SampledTree, verify_tree_greedy, verify_tree_sampled
 from serving.sampling import SamplingParams
+from serving.trees import DraftTree, TreeRule
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2, target_pb2, target_pb2_grpc
 from tests.architectures import CONTEXT, FAMILIES, build
+from tests.conftest import RawSession, StepFailed, collect, hf_greedy
+from tests.servers import LOOPBACK, OrchestratorThread, orchestrator_config, start_draft, start_target
 
 VOCAB = 4
 SAMPLES = 4000
@@ -209,3 +216,81 @@ def test_greedy_trees_through_the_batched_forward_equal_the_target_alone(budget)
         )
         assert output[:24] == want.tolist()
         assert counts.rounds < 24
+
+
+# --- through the services: draft and target tree steps, the orchestrator's tree rounds ---------------
+
+
+@pytest.fixture(scope="module")
+def tree_stack(target_model: LoadedModel, close_draft_model: LoadedModel):
+    target, draft = start_target(target_model), start_draft(close_draft_model)
+    orchestrator = OrchestratorThread(orchestrator_config(target, draft, speculation_tree="auto"))
+    yield orchestrator, draft, target
+    orchestrator.stop()
+    draft.stop()
+    target.stop()
+
+
+@pytest.mark.parametrize("k", [8, 16])
+def test_greedy_tree_rounds_through_the_services_equal_the_target_alone(tree_stack, target_model, k):
+    """Requests with trees and requests with chains at once, batched together in both services: every
+    output is the target's own greedy one, and the trees were drafted and learnt from."""
+    orchestrator, draft, _ = tree_stack
+    calibration = draft.servicer.tree_calibration
+    tested = float(calibration.tested.sum())
+    prompts = [[5, 6, 7], [40, 41, 2, 9], [17, 3, 3, 3, 80], [90, 1]]
+
+    def generate(job: tuple[list[int], bool]) -> list[int]:
+        prompt, tree = job
+        request = orchestrator_pb2.GenerateRequest(
+            token_ids=orchestrator_pb2.TokenIds(ids=prompt),
+            max_new_tokens=40,
+            num_speculative_tokens=k,
+            speculation_policy=orchestrator_pb2.SPECULATION_POLICY_FIXED,
+            speculation_tree=tree,
+        )
+        ids, _, last = collect(orchestrator.stub, request)
+        assert last.stats.draft_fallback_rounds == 0
+        return ids
+
+    jobs = [(prompt, tree) for prompt in prompts for tree in (True, False)]
+    with ThreadPoolExecutor(4) as pool:
+        outputs = list(pool.map(generate, jobs))
+    for (prompt, _), ids in zip(jobs, outputs, strict=True):
+        assert ids == hf_greedy(target_model, prompt, 40), prompt
+    assert float(calibration.tested.sum()) > tested  # tree verdicts came back and were learnt
+
+
+def test_a_tree_step_a_service_does_not_serve_is_refused_by_name(tree_stack):
+    """A sampled request asking for trees runs chains (nothing refused); a tree step with what a tree
+    step does not carry yet fails that step with a message naming the field."""
+    orchestrator, draft, target = tree_stack
+    request = orchestrator_pb2.GenerateRequest(
+        token_ids=orchestrator_pb2.TokenIds(ids=[5, 6, 7]),
+        max_new_tokens=12,
+        num_speculative_tokens=4,
+        speculation_policy=orchestrator_pb2.SPECULATION_POLICY_FIXED,
+        speculation_tree=True,
+        temperature=0.8,
+        seed=3,
+    )
+    ids, _, last = collect(orchestrator.stub, request)
+    assert len(ids) == 12 and last.stats.draft_fallback_rounds == 0
+    with grpc.insecure_channel(f"{LOOPBACK}:{target.port}") as channel:
+        session = RawSession(target_pb2_grpc.TargetServiceStub(channel).Verify)
+        bad = target_pb2.VerifyRequest(
+            keep=0, append_token_ids=[5, 6, 7, 8], num_rows=3, tree_parents=[-1, 0], logprobs=True
+        )
+        with pytest.raises(StepFailed, match="a tree step is greedy and plain in this version; drop logprobs"):
+            session.step(bad)
+    with grpc.insecure_channel(f"{LOOPBACK}:{draft.port}") as channel:
+        session = RawSession(draft_pb2_grpc.DraftServiceStub(channel).Draft)
+        sampled = draft_pb2.DraftRequest(
+            keep=0,
+            append_token_ids=[5, 6, 7],
+            num_speculative_tokens=4,
+            tree_budget=4,
+            sampling=common_pb2.SamplingParams(temperature=0.8),
+        )
+        with pytest.raises(StepFailed, match="drop sampling"):
+            session.step(sampled)
