@@ -45,6 +45,6 @@ def tree_error(parents: tuple[int, ...], count: int, start: int, kept: int = 0) 
         return "a tree row's kept tokens must be its first tokens, a chain from the cached prefix"
     if len(parents) != count or any(not -1 <= parent < index for index, parent in enumerate(parents)):
         return "a tree row's parents must name an earlier token of the row, or -1, for each token"
-    if not start:
-        return "a tree row grows from a cached prefix: its step must start past token 0"
+    if not start and not kept:
+        return "a tree row grows from a cached prefix, or from the chain it keeps: its step must start past token 0"
     return None

@@ -339,3 +339,42 @@ class _Recording(BatchedForward):
     def __call__(self, rows: list[Row]):
         self.batches.append({row.slot for row in rows})
         return super().__call__(rows)
+
+
+class _Logits(Job):
+    """Keeps the logits it was given."""
+
+    logits: torch.Tensor | None = None
+
+    def advance(self, logits: torch.Tensor) -> list[int] | None:
+        self.logits = logits
+        return None
+
+
+def test_a_new_sessions_tree_step_reuses_its_chains_cached_prefix():
+    """A session's first step with a tree after its chain (a verify after a lost session): the prefix
+    cache gives part of the chain, the tree row starts past it with its parents and kept count shifted,
+    and each node's logits are still the model's own."""
+    target, _ = build(FAMILIES["llama"])
+    store = _store(block_tokens=4)
+    engine = Engine(BatchedForward(target, store), EngineLimits(batch_hold_fraction=0.0), "test")
+    engine.start()
+    try:
+        first, second = engine.slots.lease(), engine.slots.lease()
+        chain = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+        engine.submit(Job(first, 0, chain, 1)).result(10)  # indexes two whole blocks
+        tokens, parents = [7, 8, 9], (-1, 0, -1)
+        row_parents = (*range(-1, len(chain) - 1), *[len(chain) - 1 if p < 0 else len(chain) + p for p in parents])
+        job = _Logits(second, 0, chain + tokens, len(tokens) + 1, parents=row_parents, kept=len(chain))
+        done = engine.submit(job).result(10)
+        assert done.reused == 8 and done.start == len(chain)
+        assert done.logits is not None
+        for node in range(len(tokens)):
+            path = [tokens[i] for i in _path(parents, node)]
+            assert torch.allclose(done.logits[node + 1], _own_logits(target, chain + path, 1)[0], atol=ATOL), node
+        assert torch.allclose(done.logits[0], _own_logits(target, chain, 1)[0], atol=ATOL)
+        engine.release(first)
+        engine.release(second)
+        assert wait_until(lambda: store.used_blocks == 0 and store.reserved_blocks == 0)
+    finally:
+        engine.stop()
