@@ -368,11 +368,11 @@ def test_a_new_sessions_tree_step_reuses_its_chains_cached_prefix():
         job = _Logits(second, 0, chain + tokens, len(tokens) + 1, parents=row_parents, kept=len(chain))
         done = engine.submit(job).result(10)
         assert done.reused == 8 and done.start == len(chain)
-        assert done.logits is not None
+        assert done is job and job.logits is not None
         for node in range(len(tokens)):
             path = [tokens[i] for i in _path(parents, node)]
-            assert torch.allclose(done.logits[node + 1], _own_logits(target, chain + path, 1)[0], atol=ATOL), node
-        assert torch.allclose(done.logits[0], _own_logits(target, chain, 1)[0], atol=ATOL)
+            assert torch.allclose(job.logits[node + 1], _own_logits(target, chain + path, 1)[0], atol=ATOL), node
+        assert torch.allclose(job.logits[0], _own_logits(target, chain, 1)[0], atol=ATOL)
         engine.release(first)
         engine.release(second)
         assert wait_until(lambda: store.used_blocks == 0 and store.reserved_blocks == 0)
