@@ -48,6 +48,7 @@ class DraftJob(Job):
     ban: TokenBan | None = None  # min_tokens' masks, as the target applies them
     position: int = 0  # the sequence position the next row scores
     vocab_limit: int = 0  # propose only ids below this (a draft wider than its target); 0: all
+    shared: torch.Tensor | None = None  # [vocab] bool: propose only these (a target with another tokenizer)
     token_ids: list[int] = field(default_factory=list)  # [k] drafted so far
     token_probs: list[float] = field(default_factory=list)  # [k] q(x); sampling only
     rows: list[torch.Tensor] = field(default_factory=list)  # k logit rows of [vocab]; sampling only
@@ -59,8 +60,8 @@ class DraftJob(Job):
     rows_scored: int = 0  # rows this job read (a forward's each): a guess's too
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
-        """The last row of `logits`, masked as the step's constraint, ban and vocab_limit say, for the
-        position it scores (which then moves on by one)."""
+        """The last row of `logits`, masked as the step's constraint, ban, vocab_limit and shared tokens
+        say, for the position it scores (which then moves on by one)."""
         row = logits[-1]  # [vocab]
         self.rows_scored += 1
         constraint = self.constraint
@@ -71,6 +72,8 @@ class DraftJob(Job):
             if allowed is None:
                 allowed = torch.ones((1, row.shape[-1]), dtype=torch.bool)
             allowed[:, self.vocab_limit :] = False
+        if self.shared is not None:
+            allowed = self.shared[None] if allowed is None else allowed & self.shared
         self.position += 1
         if allowed is not None:
             return mask_logits(row[None], allowed)[0]  # a new tensor: no clone needed

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import structlog
 import torch
+from transformers import AutoTokenizer
 
 from draft_service.jobs import DraftJob, GuessingDraftJob, TreeDraftJob
 from draft_service.lean import LeanDraft
@@ -23,7 +24,7 @@ from draft_service.speculation import GUESSES, SpeculationCache
 from draft_service.tree import Calibration, TreeBuilder
 from model_host.config import ModelServiceConfig
 from model_host.engine import Job
-from model_host.forward import Forward
+from model_host.forward import Forward, ModelNotServable
 from model_host.loading import LoadedModel
 from model_host.session_servicer import SessionServicer
 from model_host.sessions import Session
@@ -32,6 +33,8 @@ from serving.errors import invalid_argument
 from serving.logits import rows_to_wire
 from serving.sampling import SamplingParams, seeded_generator
 from serving.trees import DraftTree
+from serving.vocab import tokenizer_fingerprint
+from serving.vocab_map import VocabularyError, intersect
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = "specdec.v1.DraftService"
@@ -57,8 +60,13 @@ class DraftServicer(
         # and each session's last tree (its length before it, the tree, the rows it grew from).
         self.tree_calibration = Calibration(config.max_speculative_tokens)
         self._trees: dict[str, tuple[int, DraftTree, dict[int, torch.Tensor]]] = {}
+        # A target with another tokenizer: the draft proposes the tokens both share alone.
+        self.shared: torch.Tensor | None = None
+        self.target_tokenizer_fingerprint = ""
+        if config.target_tokenizer:
+            self.shared, self.target_tokenizer_fingerprint = shared_tokens(loaded, config.target_tokenizer)
         self.speculation: SpeculationCache | None = None  # blocks drafted ahead (draft_service/speculation.py)
-        if config.speculation_cache_tokens and self.engine.forward.batched:
+        if config.speculation_cache_tokens and self.engine.forward.batched and self.shared is None:
             self.speculation = SpeculationCache(
                 self.engine,
                 config.speculation_cache_tokens,
@@ -112,6 +120,8 @@ class DraftServicer(
             )
         if not self.engine.forward.batched:
             raise invalid_argument(f"the {self.engine.forward.name} forward serves chains only: no token trees")
+        if self.shared is not None:
+            raise invalid_argument("a draft for a target with another tokenizer drafts chains only: no token trees")
         unserved = [
             name
             for name, present in (
@@ -161,6 +171,7 @@ class DraftServicer(
             ban=TokenBan.from_proto(request.ban, self.loaded.vocab_size),
             position=request.keep + len(request.append_token_ids),
             vocab_limit=request.vocab_limit,
+            shared=self.shared,
         )
         cache = self.speculation
         if cache is not None and (guessing or _speculates(request)):
@@ -254,7 +265,34 @@ class DraftServicer(
         # alone is what the orchestrator's step beside the verify does, without a round trip for a hit.
         cache = self.speculation
         info.speculation_cache_tokens = self.config.speculation_cache_tokens if cache and cache.fans_out else 0
+        info.target_tokenizer_fingerprint = self.target_tokenizer_fingerprint
         return info
+
+
+def shared_tokens(loaded: LoadedModel, target_tokenizer: str) -> tuple[torch.Tensor, str]:
+    """The draft ids that `target_tokenizer` shares by bytes (its EOS mapped to the draft's), as a mask
+    over the draft's rows, and that tokenizer's fingerprint. Raises ModelNotServable naming what to change."""
+    if loaded.tokenizer is None:
+        raise ModelNotServable("--target-tokenizer needs the draft's own tokenizer, and this checkpoint ships none")
+    try:
+        target = AutoTokenizer.from_pretrained(target_tokenizer)
+    except (OSError, ValueError) as exc:
+        raise ModelNotServable(f"--target-tokenizer {target_tokenizer!r} cannot be loaded: {exc}") from exc
+    try:
+        pair = intersect(target, loaded.tokenizer)
+    except VocabularyError as exc:
+        raise ModelNotServable(f"--target-tokenizer: {exc}") from exc
+    ids = [d for d in pair.proposable if d < loaded.vocab_size]
+    shared = torch.zeros(loaded.vocab_size, dtype=torch.bool, device=loaded.model.get_output_embeddings().weight.device)
+    shared[ids] = True
+    log.info(
+        "cross_tokenizer_draft",
+        target_tokenizer=target_tokenizer,
+        shared_tokens=len(ids),
+        draft_vocab_size=loaded.vocab_size,
+        detail="drafts propose the shared tokens alone; no speculation cache or token trees",
+    )
+    return shared, tokenizer_fingerprint(target)
 
 
 def _speculates(request: draft_pb2.DraftRequest) -> bool:

@@ -32,6 +32,7 @@ class ModelServiceConfig:
     batch_hold_fraction: float = 0.5
     lean_draft: bool = True
     speculation_cache_tokens: int = 2048
+    target_tokenizer: str = ""
     metrics_port: int = 0
     health_port: int = 0
     tls_cert: str = ""
@@ -72,6 +73,9 @@ _HELP: dict[str, str] = {
     "verification, over all sessions (the speculation cache; 0: none); each also holds a row of q under sampling. "
     "Blocks drafted ahead take forward rows and key-value blocks that live sessions leave free, and are dropped "
     "first",
+    "target_tokenizer": "draft service: the target's tokenizer (a local folder or hub id) when it differs from the "
+    "draft's: the draft then proposes only the tokens both share, by bytes (token-level intersection), and the "
+    "orchestrator needs --draft-tokenizer; no speculation cache or token trees for such a draft in this version",
     "metrics_port": "Prometheus metrics port (0 disables)",
     "health_port": "a plaintext port serving gRPC health checks only, for probes that cannot speak TLS (0: none)",
     "tls_cert": "PEM certificate chain: serve TLS (with --tls-key)",

@@ -19,6 +19,8 @@ class OrchestratorConfig:
     host: str = "127.0.0.1"
     port: int = 50050
     tokenizer: str = ""
+    draft_tokenizer: str = ""
+    min_vocab_overlap: float = 0.5
     max_new_tokens_cap: int = 4096
     max_speculative_tokens: int = 16
     num_speculative_tokens: int = 2
@@ -65,6 +67,11 @@ _HELP: dict[str, str] = {
     "host": "address to listen on (0.0.0.0 or :: in a container)",
     "port": "gRPC port for clients (0 picks a free one)",
     "tokenizer": "tokenizer checkpoint; defaults to the target service's model",
+    "draft_tokenizer": "the draft's tokenizer (a local folder or hub id) when it differs from the target's: drafts "
+    "then use the tokens both share, by bytes (token-level intersection, exact at any temperature); the draft "
+    "service needs --target-tokenizer. Empty: the draft must share the target's tokenizer",
+    "min_vocab_overlap": "with --draft-tokenizer: refuse to start when the tokens the draft can propose make up less "
+    "than this share of the target's tokens over a reference text (a guard against a wrong pairing)",
     "max_new_tokens_cap": "largest max_new_tokens a request may ask for",
     "max_speculative_tokens": "largest num_speculative_tokens a request may ask for",
     "num_speculative_tokens": "K for requests that leave it unset",
@@ -130,6 +137,8 @@ def parse_orchestrator_config(argv: Sequence[str] | None = None) -> Orchestrator
         parser.error("--num-speculative-tokens must be in [0, --max-speculative-tokens]")
     if config.workers != "auto" and (not config.workers.isdigit() or int(config.workers) < 1):
         parser.error(f"--workers must be a count of at least 1 or auto (the CPU quota); got {config.workers!r}")
+    if not 0.0 <= config.min_vocab_overlap <= 1.0:
+        parser.error(f"--min-vocab-overlap must be in [0, 1]; got {config.min_vocab_overlap}")
     if config.stream_interval < 1:
         parser.error("--stream-interval must be at least 1 (1 sends each round's tokens at once)")
     return config

@@ -13,6 +13,7 @@ from orchestrator.goodput import StepTimes
 from orchestrator.metrics import DRAFT_ROWS
 from orchestrator.proposals import NO_DRAFT, POINT_MASS_PROPOSERS, Draft, RowsAt, Stats, point_masses
 from orchestrator.requests import StepFields
+from orchestrator.translation import DraftContext
 from orchestrator.upstream import Context, DraftAvailability, SessionStream, is_draft_fault
 from orchestrator.verdicts import draft_row_from
 from serving.errors import ServiceError, unavailable
@@ -44,6 +45,18 @@ class Drafter:
         self.stats = stats
         self.times = times
         self.refused = False
+        # A draft with another tokenizer: the request's sequence in its ids (orchestrator/translation.py).
+        translation = self.limits.translation
+        self.spelled = DraftContext(translation) if translation is not None else None
+
+    def in_draft_ids(self, context: Context) -> Context:
+        """`context` as the draft's session holds it: itself, or spelled in the draft's tokens."""
+        return context if self.spelled is None else self.spelled.of(context)
+
+    def extra_tokens(self, sequence: list[int]) -> int:
+        """How many more tokens the draft's context holds than `sequence` (a target token the draft
+        does not share may take several of its tokens)."""
+        return 0 if self.spelled is None else len(self.spelled.of(Context(sequence))) - len(sequence)
 
     @property
     def usable(self) -> bool:
@@ -57,7 +70,7 @@ class Drafter:
         """A narrower draft (a padded pair) has no embedding for the target's padding ids: once the
         sequence holds one, this request drafts no more (K = 0, the target alone, still exact)."""
         width = self.limits.draft_vocab_size
-        if width and not self.refused and any(t >= width for t in token_ids):
+        if width and self.spelled is None and not self.refused and any(t >= width for t in token_ids):
             log.info("drafting_stopped", request_id=self.request.request_id, reason="a token past the draft's width")
             self.refused = True
 
@@ -68,14 +81,17 @@ class Drafter:
         `tree`: a token tree of at most k nodes instead of a chain."""
         assert self.stream is not None and k >= 1
         draft = self.stream
+        fed = self.in_draft_ids(context)
         try:  # a step unanswered for --draft-timeout-s raises TimeoutError (its link's timer)
             stepped = await draft.step(
-                context,
-                lambda keep: self.fields.draft(context, keep, k, ahead_k, tree),
+                fed,
+                lambda keep: self.fields.draft(fed, keep, k, ahead_k, tree),
                 fed_beyond=lambda response: response.draft_token_ids,  # all but the last are fed
             )
             response = stepped.response
             token_ids = list(response.draft_token_ids)
+            if self.limits.translation is not None and token_ids:
+                token_ids = self.limits.translation.target_ids(token_ids)
             probs = None if self.request.sampling.greedy else list(response.draft_token_probs)
             if not 1 <= len(token_ids) <= k:
                 raise WireFormatError(f"draft returned {len(token_ids)} tokens for k = {k}")
@@ -136,7 +152,7 @@ class Drafter:
             DRAFT_ROWS.labels("recomputed").inc()
             if side is not None:  # the session's step beside this one ends first (a rejection made it moot)
                 await asyncio.wait([side])
-            context = Context(sequence, block.token_ids[:index])
+            context = self.in_draft_ids(Context(sequence, block.token_ids[:index]))
             stepped = await self.stream.step(context, lambda keep: self.fields.draft(context, keep, 0))
             return draft_row_from(stepped.response.row, self.request.sampling, self.limits)
         except (ServiceError, TimeoutError, WireFormatError) as exc:

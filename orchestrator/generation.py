@@ -165,6 +165,7 @@ class Generation:
             forced=forced,
             lookup=lookup,
             probe_pending=self._ahead is not None and self._ahead.scored,
+            draft_extra=self.drafter.extra_tokens(self.sequence),
         )
 
     def _trees(self) -> bool:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.proposals import MODEL
 from orchestrator.upstream import Context
 from serving.constraints import ConstraintSpec, TokenBan
 from serving.sampling import SamplingParams
 from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2
+
+if TYPE_CHECKING:
+    from orchestrator.translation import Translation
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 _U64 = (1 << 64) - 1
@@ -56,6 +59,7 @@ class ModelLimits:
     draft_vocab_size: int = 0  # the draft's row width (0: the target's); a padded pair's may differ
     draft_constrains: bool = False  # the draft applies structured outputs (ModelInfo.structured_output_kinds)
     draft_speculates: bool = False  # the draft has a speculation cache (ModelInfo.speculation_cache_tokens)
+    translation: Translation | None = None  # a draft with another tokenizer (orchestrator/translation.py)
     trees: bool = False  # both services run the batched forward, which scores tree rows (ModelInfo.batched)
 
 
@@ -91,9 +95,13 @@ class StepFields:
             min_confidence=request.min_confidence,
             cache_salt=request.cache_salt if keep == 0 else b"",
             **(self.constraint if keep == 0 and limits.draft_constrains else {}),
-            **self.ban(n, limits.draft_vocab_size or limits.vocab_size),
+            # A draft with another tokenizer gets no ban: its positions are not the target's (the target's
+            # ban still holds, so a banned token it proposes is rejected).
+            **(self.ban(n, limits.draft_vocab_size or limits.vocab_size) if limits.translation is None else {}),
             # A draft wider than the target (a padded pair) proposes over the target's width alone.
-            vocab_limit=limits.vocab_size if limits.draft_vocab_size > limits.vocab_size else 0,
+            vocab_limit=(
+                limits.vocab_size if limits.translation is None and limits.draft_vocab_size > limits.vocab_size else 0
+            ),
         )
 
     def ban(self, first_position: int, width: int) -> dict[str, Any]:

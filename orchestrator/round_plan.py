@@ -45,6 +45,7 @@ class RoundState:
     probe_pending: bool = False  # a probe beside the last step has not been scored yet
     speculation_cache: bool = False  # the draft service drafts the next blocks itself (with overlap only)
     tree: bool = False  # a model block may be a token tree (greedy, unconstrained, no ban or logprobs)
+    draft_extra: int = 0  # tokens the draft's context holds beyond the sequence (a draft with another tokenizer)
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def cap(k: int, state: RoundState, limits: ModelLimits, drafted: bool, after: in
     produced, length = state.produced + after, state.length + after
     bounds = [k, state.max_new_tokens - produced - 1, limits.target_max_context - length - 1]
     if drafted:
-        bounds += [limits.draft_max_speculative_tokens - guess, limits.draft_max_context - length]
+        bounds += [limits.draft_max_speculative_tokens - guess, limits.draft_max_context - length - state.draft_extra]
     return max(0, min(bounds))
 
 

@@ -27,6 +27,7 @@ from orchestrator.proposals import MODEL, NGRAM, Stats
 from orchestrator.routing import route_for
 from orchestrator.sampler import BatchSampler
 from orchestrator.text import TextStream, byte_table
+from orchestrator.translation import Translation
 from orchestrator.upstream import Dial, DraftAvailability, ReplicaPool, SessionStream
 from orchestrator.workers import share, worker_count
 from serving.constraints import ConstraintSpec, Grammars, TokenBan
@@ -44,6 +45,7 @@ from serving.protocol import (
 from serving.sampling import SamplingParams
 from serving.security import channel_credentials
 from serving.vocab import tokenizer_fingerprint
+from serving.vocab_map import VocabularyError, check_overlap
 from specdec.v1 import (
     common_pb2,
     draft_pb2,
@@ -83,17 +85,24 @@ class PairMismatch(Exception):
     """Draft and target (or the orchestrator's tokenizer) do not share a vocabulary."""
 
 
-def check_pair(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo) -> None:
+def check_pair(
+    target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo, translation: Translation | None = None
+) -> None:
     """Refuse a draft whose token ids do not mean what the target's mean. Embedding widths may differ
     when both report the same tokenizer (Qwen pads its embeddings by model size): the ids past the
-    tokenizer are padding, and the orchestrator pads or cuts the draft's rows to the target's width."""
+    tokenizer are padding, and the orchestrator pads or cuts the draft's rows to the target's width.
+    With `translation` (--draft-tokenizer), the draft has its own tokenizer and proposes only the
+    tokens it shares with the target's (--target-tokenizer on the draft service)."""
+    if translation is not None or draft.target_tokenizer_fingerprint:
+        _check_translated_pair(target, draft, translation)
+        return
     same_tokenizer = bool(draft.tokenizer_fingerprint) and draft.tokenizer_fingerprint == target.tokenizer_fingerprint
     if draft.vocab_size != target.vocab_size and not same_tokenizer:
         raise PairMismatch(
             f"draft model {draft.model!r} has a vocabulary of {draft.vocab_size} tokens but target model "
             f"{target.model!r} has {target.vocab_size}, and they do not both report one tokenizer (a padded "
             "pair must ship the same tokenizer with each checkpoint); choose a draft that shares the target's "
-            "tokenizer"
+            "tokenizer, or draft across tokenizers (--draft-tokenizer here, --target-tokenizer on the draft)"
         )
     if draft.vocab_size != target.vocab_size:
         log.info(
@@ -114,8 +123,57 @@ def check_pair(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo) -> Non
         raise PairMismatch(
             f"draft model {draft.model!r} and target model {target.model!r} have different tokenizers "
             f"(fingerprints {draft.tokenizer_fingerprint[:12]} and {target.tokenizer_fingerprint[:12]}); "
-            "choose a draft that shares the target's tokenizer"
+            "choose a draft that shares the target's tokenizer, or draft across tokenizers (--draft-tokenizer "
+            "here, --target-tokenizer on the draft service)"
         )
+
+
+def _check_translated_pair(
+    target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo, translation: Translation | None
+) -> None:
+    """A draft with another tokenizer: the orchestrator holds its tokenizer, and the draft proposes
+    the target's shared tokens alone."""
+    if translation is None:
+        raise PairMismatch(
+            f"draft service {draft.model!r} drafts for a target with another tokenizer (--target-tokenizer); "
+            "start the orchestrator with --draft-tokenizer naming the draft's tokenizer"
+        )
+    if not draft.target_tokenizer_fingerprint:
+        raise PairMismatch(
+            f"--draft-tokenizer is set, but draft service {draft.model!r} proposes over its whole vocabulary: "
+            "start it with --target-tokenizer naming the target's tokenizer"
+        )
+    if draft.tokenizer_fingerprint != translation.draft_fingerprint:
+        raise PairMismatch(
+            f"--draft-tokenizer {translation.pair.draft_name} is not draft model {draft.model!r}'s tokenizer "
+            f"(fingerprints {translation.draft_fingerprint[:12]} and {draft.tokenizer_fingerprint[:12]}); "
+            "name the draft checkpoint's tokenizer"
+        )
+    if target.tokenizer_fingerprint and draft.target_tokenizer_fingerprint != target.tokenizer_fingerprint:
+        raise PairMismatch(
+            f"draft service {draft.model!r} proposes the tokens it shares with another tokenizer than target model "
+            f"{target.model!r}'s (fingerprints {draft.target_tokenizer_fingerprint[:12]} and "
+            f"{target.tokenizer_fingerprint[:12]}); start it with --target-tokenizer naming the target's tokenizer"
+        )
+
+
+def translation_for(target: PreTrainedTokenizerBase, config: OrchestratorConfig) -> Translation:
+    """The map between the target's ids and those of --draft-tokenizer, its overlap checked against
+    --min-vocab-overlap and logged. Raises PairMismatch naming both tokenizers."""
+    draft = AutoTokenizer.from_pretrained(config.draft_tokenizer)
+    try:
+        translation = Translation(target, draft)
+        overlap = check_overlap(translation.pair, target, config.min_vocab_overlap)
+    except VocabularyError as exc:
+        raise PairMismatch(str(exc)) from None
+    log.info(
+        "cross_tokenizer_draft",
+        draft_tokenizer=config.draft_tokenizer,
+        shared_tokens=len(translation.to_target),
+        overlap=round(overlap, 4),
+        overlap_floor=config.min_vocab_overlap,
+    )
+    return translation
 
 
 async def fetch_model_info(pool: ReplicaPool, timeout_s: float) -> common_pb2.ModelInfo:
@@ -148,6 +206,7 @@ class DraftSide:
 
     pool: ReplicaPool
     info: common_pb2.ModelInfo | None = None
+    translation: Translation | None = None  # a draft with another tokenizer (--draft-tokenizer)
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
@@ -208,6 +267,17 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         )
         await target_pool.start()
         target_info = await fetch_model_info(target_pool, config.startup_timeout_s)
+        name = config.tokenizer or target_info.model
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, name)
+        fingerprint = tokenizer_fingerprint(tokenizer)
+        if target_info.tokenizer_fingerprint and fingerprint != target_info.tokenizer_fingerprint:
+            raise PairMismatch(
+                f"tokenizer {name!r} differs from target model {target_info.model!r}'s tokenizer; "
+                "pass --tokenizer naming the target's tokenizer"
+            )
+        translation = None
+        if config.draft_tokenizer and config.draft:
+            translation = await asyncio.to_thread(translation_for, tokenizer, config)
         draft: DraftSide | None = None
         if config.draft:
             pool = ReplicaPool(
@@ -221,20 +291,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 route_load_slack=slack,
             )
             await pool.start()
-            draft = DraftSide(pool)
+            draft = DraftSide(pool, translation=translation)
             try:
                 draft.info = await fetch_model_info(pool, min(config.startup_timeout_s, config.draft_retry_after_s))
-                check_pair(target_info, draft.info)
+                check_pair(target_info, draft.info, translation)
             except ConnectionError as exc:
                 log.warning("draft_unreachable_at_startup", error=str(exc), fallback="target alone until it answers")
-        name = config.tokenizer or target_info.model
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, name)
-        fingerprint = tokenizer_fingerprint(tokenizer)
-        if target_info.tokenizer_fingerprint and fingerprint != target_info.tokenizer_fingerprint:
-            raise PairMismatch(
-                f"tokenizer {name!r} differs from target model {target_info.model!r}'s tokenizer; "
-                "pass --tokenizer naming the target's tokenizer"
-            )
         servicer = cls(config, target_pool, target_info, draft, tokenizer)
         if draft is not None and draft.info is None:
             servicer._draft_watch = asyncio.create_task(servicer._watch_draft())
@@ -249,7 +311,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             except ConnectionError:
                 continue
             try:
-                check_pair(self.target_info, info)
+                check_pair(self.target_info, info, self.draft.translation)
             except PairMismatch as exc:
                 log.error("draft_mismatch", error=str(exc), fallback="target alone")
                 return
@@ -449,22 +511,25 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         return spec, template
 
     def _limits(self) -> ModelLimits:
-        draft_context = self.draft.info.max_context if self.draft and self.draft.info else 0
+        draft = self.draft.info if self.draft else None
+        # A draft with another tokenizer gets no constraint (compiled for the target's tokens), and has
+        # no speculation cache or token trees in this version.
+        translation = self.draft.translation if self.draft and draft else None
+        same_ids = translation is None
         return ModelLimits(
             vocab_size=self.target_info.vocab_size,
             target_max_context=self.target_info.max_context,
-            draft_max_context=draft_context,
+            draft_max_context=draft.max_context if draft else 0,
             eos_token_ids=frozenset(self.target_info.eos_token_ids),
             # A draft too old to report its cap is held to the orchestrator's own.
             draft_max_speculative_tokens=(
-                self.draft.info.max_speculative_tokens or self.config.max_speculative_tokens
-                if self.draft and self.draft.info
-                else 0
+                draft.max_speculative_tokens or self.config.max_speculative_tokens if draft else 0
             ),
-            draft_constrains=bool(self.draft and self.draft.info and self.draft.info.structured_output_kinds),
-            draft_vocab_size=self.draft.info.vocab_size if self.draft and self.draft.info else 0,
-            draft_speculates=bool(self.draft and self.draft.info and self.draft.info.speculation_cache_tokens),
-            trees=bool(self.draft and self.draft.info and self.draft.info.batched and self.target_info.batched),
+            draft_constrains=bool(draft and draft.structured_output_kinds and same_ids),
+            draft_vocab_size=draft.vocab_size if draft else 0,
+            draft_speculates=bool(draft and draft.speculation_cache_tokens and same_ids),
+            translation=translation,
+            trees=bool(draft and draft.batched and self.target_info.batched and same_ids),
         )
 
     def _generation(self, request: GenerationRequest, policy: str) -> Generation:

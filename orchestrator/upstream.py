@@ -237,9 +237,9 @@ class Context(Sequence[int]):
 
     __slots__ = ("base", "base_len", "extra")
 
-    def __init__(self, base: list[int], extra: Sequence[int] = ()) -> None:
+    def __init__(self, base: list[int], extra: Sequence[int] = (), base_len: int | None = None) -> None:
         self.base = base
-        self.base_len = len(base)
+        self.base_len = len(base) if base_len is None else base_len
         self.extra = list(extra)
 
     def __len__(self) -> int:

@@ -45,11 +45,14 @@ def check_sampled(
 
 def draft_row_from(message: common_pb2.LogitRows, sampling: SamplingParams, limits: ModelLimits) -> torch.Tensor:
     """q at the target's width: a narrower draft's row padded with zeros (it cannot propose those ids),
-    a wider draft's cut (it masked the ids past the target's width: `vocab_limit`)."""
+    a wider draft's cut (it masked the ids past the target's width: `vocab_limit`), a draft with
+    another tokenizer's moved to the target's ids (it proposes the shared tokens alone)."""
     vocab, width = limits.vocab_size, limits.draft_vocab_size or limits.vocab_size
     row = rows_from_wire(message, sampling, width)
     if row.shape[0] != 1:
         raise WireFormatError(f"the draft sent {row.shape[0]} rows for one")
+    if limits.translation is not None:
+        return limits.translation.target_row(row[0], vocab)
     if width < vocab:
         return torch.nn.functional.pad(row[0], (0, vocab - width))
     if width > vocab and bool(row[0, vocab:].any()):

@@ -128,15 +128,24 @@ class VocabMap:
     def target_to_draft(self) -> dict[int, int]:
         return {target: draft for draft, target in self.draft_to_target.items()}
 
+    @property
+    def proposable(self) -> dict[int, int]:
+        """Draft id to target id for every token the draft may propose: the shared ones and the EOS."""
+        mapping = dict(self.draft_to_target)
+        if self.draft_eos is not None and self.target_eos is not None:
+            mapping[self.draft_eos] = self.target_eos
+        return mapping
+
     def overlap(self, target_ids: list[int]) -> float:
         """The share of a text's target tokens that the draft can propose (the EOS included)."""
-        shared = set(self.draft_to_target.values()) | ({self.target_eos} if self.draft_eos is not None else set())
+        shared = set(self.proposable.values())
         return sum(i in shared for i in target_ids) / max(1, len(target_ids))
 
 
-def _by_bytes(tokenizer: PreTrainedTokenizerBase) -> dict[bytes, int]:
-    """Bytes to the id that stands for them: a piece before a byte-fallback token, then the lowest id."""
-    table = token_bytes(tokenizer)
+def ids_by_bytes(tokenizer: PreTrainedTokenizerBase, table: dict[int, bytes] | None = None) -> dict[bytes, int]:
+    """Bytes to the id that stands for them: a piece before a byte-fallback token, then the lowest id
+    (`table`: the tokenizer's `token_bytes`, when already read)."""
+    table = token_bytes(tokenizer) if table is None else table
     tokens = tokenizer.convert_ids_to_tokens(sorted(table))
     order = sorted(zip(sorted(table), tokens, strict=True), key=lambda it: (bool(_BYTE_PIECE.match(it[1])), it[0]))
     index: dict[bytes, int] = {}
@@ -145,9 +154,15 @@ def _by_bytes(tokenizer: PreTrainedTokenizerBase) -> dict[bytes, int]:
     return index
 
 
-def intersect(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> VocabMap:
-    """The tokens both share by bytes, and the EOS of each."""
-    target_index, draft_index = _by_bytes(target), _by_bytes(draft)
+def intersect(
+    target: PreTrainedTokenizerBase,
+    draft: PreTrainedTokenizerBase,
+    target_index: dict[bytes, int] | None = None,
+    draft_index: dict[bytes, int] | None = None,
+) -> VocabMap:
+    """The tokens both share by bytes, and the EOS of each (the `ids_by_bytes` indexes, when already read)."""
+    target_index = ids_by_bytes(target) if target_index is None else target_index
+    draft_index = ids_by_bytes(draft) if draft_index is None else draft_index
     shared = {draft_index[b]: target_index[b] for b in draft_index.keys() & target_index.keys() if b}
     return VocabMap(shared, target.eos_token_id, draft.eos_token_id, _name(target), _name(draft))
 

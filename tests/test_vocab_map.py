@@ -6,49 +6,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tokenizers import ByteLevelBPETokenizer, Tokenizer, decoders, models, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from serving.vocab_map import VocabularyError, check_overlap, intersect, main, reference_text, token_bytes
-from tests.tiny_models import word_tokenizer
+from serving.vocab_map import VocabularyError, check_overlap, intersect, main, token_bytes
+from tests.tiny_models import METASPACE, byte_level_bpe, sentencepiece_from, word_tokenizer
 
 PAIR = Path(__file__).resolve().parents[1] / "default_models" / "pair"
-METASPACE = "\u2581"
 
 
 @pytest.fixture(scope="module")
 def byte_level() -> PreTrainedTokenizerFast:
-    trained = ByteLevelBPETokenizer()
-    trained.train_from_iterator(
-        [reference_text()[:60_000], "naïve café — “quoted” ✓"], vocab_size=600, special_tokens=["<|endoftext|>"]
-    )
-    return PreTrainedTokenizerFast(tokenizer_object=trained._tokenizer, eos_token="<|endoftext|>")
+    return byte_level_bpe()
 
 
 @pytest.fixture(scope="module")
 def sentencepiece(byte_level: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
-    """Llama 2's layout: specials first, the 256 byte pieces, then pieces. Its pieces are every third
-    whole-UTF-8 token of the byte-level vocabulary (spaces as ▁), "e" (which <0x65> repeats) and one of
-    its own."""
-    table = token_bytes(byte_level)
-    pieces: list[tuple[str, float]] = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0)]
-    pieces += [(f"<0x{b:02X}>", -20.0) for b in range(256)]
-    for token_id in sorted(table)[::3]:
-        try:
-            text = table[token_id].decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-        if text != "e":
-            pieces.append((text.replace(" ", METASPACE), -float(len(pieces))))
-    pieces += [(f"{METASPACE}zzyzx", -1.0), ("e", -1.0)]
-    model = Tokenizer(models.Unigram(pieces, unk_id=0, byte_fallback=True))
-    model.normalizer = normalizers.Sequence([normalizers.Prepend(METASPACE), normalizers.Replace(" ", METASPACE)])
-    model.decoder = decoders.Sequence(
-        [decoders.Replace(METASPACE, " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    tokenizer.add_tokens(["zzyzx"])  # an added token: never shared
-    return tokenizer
+    return sentencepiece_from(byte_level)
 
 
 def test_a_tokens_bytes_read_through_each_kind_of_marker(byte_level, sentencepiece):

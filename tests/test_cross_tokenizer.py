@@ -1,0 +1,247 @@
+"""Drafts with another tokenizer (token-level intersection, orchestrator/translation.py): a byte-level
+BPE target and a SentencePiece-style draft that shares part of its vocabulary. The draft proposes the
+shared tokens alone; its context spells each target token in its own tokens, a token it does not share
+as several. Outputs are the target alone's, greedy and sampled."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+from model_host.loading import LoadedModel
+from model_host.runtime import ModelServer
+from orchestrator.servicer import PairMismatch, check_pair, translation_for
+from orchestrator.translation import DraftContext, Translation
+from orchestrator.upstream import Context
+from serving.tensors import WireFormatError
+from serving.vocab_map import check_overlap, token_bytes
+from specdec.v1 import common_pb2, orchestrator_pb2
+from tests.conftest import collect, hf_greedy
+from tests.servers import OrchestratorThread, load, orchestrator_config, start_draft, start_target
+from tests.test_sampling_exactness import first_token_pvalue
+from tests.tiny_models import byte_level_bpe, save, sentencepiece_from, tiny_llama
+
+TEXTS = [
+    "def parse_args(self, args=None, namespace=None):\n    return",
+    "class Namespace(_AttributeHolder):\n    def __init__(self, **kwargs):",
+    "import json\nimport re\n\ndef dumps(obj, *, skipkeys=False):",
+    "    if not isinstance(s, str):\n        raise TypeError(",
+]
+TOKENS = 24
+
+
+def mapped_draft(target: LlamaForCausalLM, translation: Translation, vocab_size: int, eos: int) -> LlamaForCausalLM:
+    """A draft that agrees with the target where it can: the target's layers, and each shared token's
+    embedding and output rows at its draft id. Its own tokens' rows stay random, and often win: only
+    the draft service's mask keeps its proposals to the shared tokens."""
+    draft = tiny_llama(vocab_size, seed=2, hidden=48, layers=3, init_range=0.5, eos=eos)
+    state = {k: v for k, v in target.state_dict().items() if "embed_tokens" not in k and "lm_head" not in k}
+    draft.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        for draft_id, target_id in translation.to_target.items():
+            draft.model.embed_tokens.weight[draft_id] = target.model.embed_tokens.weight[target_id]
+            draft.lm_head.weight[draft_id] = target.lm_head.weight[target_id]
+    return draft
+
+
+def prefers_shared(target: LlamaForCausalLM, translation: Translation) -> LlamaForCausalLM:
+    """The target with the rows of the tokens the draft cannot propose scaled down, so that, as in a
+    real pair of high overlap, its likeliest token is more often a shared one (not always: the test
+    pair's outputs hold tokens the draft must split)."""
+    shared = torch.zeros(target.config.vocab_size, dtype=torch.bool)
+    shared[list(translation.to_target.values())] = True
+    with torch.no_grad():
+        target.lm_head.weight[~shared] *= 0.7
+    return target
+
+
+@dataclass
+class CrossPair:
+    target_tokenizer: PreTrainedTokenizerFast
+    draft_tokenizer: PreTrainedTokenizerFast
+    translation: Translation
+    target: LoadedModel
+    target_path: Path
+    draft_path: Path
+    orchestrator: OrchestratorThread
+    target_server: ModelServer
+    draft_server: ModelServer
+
+
+@pytest.fixture(scope="module")
+def cross(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CrossPair]:
+    root: Path = tmp_path_factory.mktemp("cross")
+    target_tokenizer = byte_level_bpe()
+    draft_tokenizer = sentencepiece_from(target_tokenizer)
+    translation = Translation(target_tokenizer, draft_tokenizer)
+    target_model = prefers_shared(
+        tiny_llama(len(target_tokenizer), seed=1, hidden=48, layers=3, init_range=0.5, eos=0), translation
+    )
+    draft_model = mapped_draft(target_model, translation, len(draft_tokenizer), draft_tokenizer.eos_token_id)
+    target_path = save(target_model, target_tokenizer, root / "target")
+    draft_path = save(draft_model, draft_tokenizer, root / "draft")
+    target = load(target_path)
+    target_server = start_target(target)
+    draft_server = start_draft(load(draft_path), target_tokenizer=str(target_path))
+    orchestrator = OrchestratorThread(
+        orchestrator_config(target_server, draft_server, draft_tokenizer=str(draft_path), min_vocab_overlap=0.3)
+    )
+    yield CrossPair(
+        target_tokenizer,
+        draft_tokenizer,
+        translation,
+        target,
+        target_path,
+        draft_path,
+        orchestrator,
+        target_server,
+        draft_server,
+    )
+    orchestrator.stop()
+    draft_server.stop()
+    target_server.stop()
+
+
+def test_a_target_token_the_draft_does_not_share_is_spelled_in_several_of_its_tokens(cross):
+    translation = cross.translation
+    target_bytes, draft_bytes = token_bytes(cross.target_tokenizer), token_bytes(cross.draft_tokenizer)
+    split = 0
+    for token in cross.target_tokenizer.encode("".join(TEXTS)):
+        spelled = translation.spell(token)
+        assert b"".join(draft_bytes[d] for d in spelled) == target_bytes[token]
+        split += len(spelled) > 1
+    assert split >= 5  # the texts hold tokens the draft must split
+    # A sequence's spelling is its tokens' spellings in order; a shorter context (an older block's, a
+    # rollback) is a prefix of it, ending where a target token's spelling ends.
+    ids = cross.target_tokenizer.encode(TEXTS[0])
+    spelled = DraftContext(translation)
+    whole = spelled.of(Context(ids, ids[:3]))
+    assert whole[:] == [d for t in ids + ids[:3] for d in translation.spell(t)]
+    cut = spelled.of(Context(ids[:7]))
+    assert cut[:] == [d for t in ids[:7] for d in translation.spell(t)]
+    assert cut.base is whole.base  # no copy: the spelled sequence only grows
+
+
+def test_rows_and_tokens_move_to_the_targets_ids(cross):
+    translation = cross.translation
+    width = len(cross.target_tokenizer)
+    row = torch.zeros(len(cross.draft_tokenizer))
+    shared = sorted(translation.to_target)
+    row[shared[:4]] = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    moved = translation.target_row(row, width)
+    assert moved.shape == (width,) and float(moved.sum()) == pytest.approx(1.0)
+    for draft_id in shared[:4]:
+        assert moved[translation.to_target[draft_id]] == row[draft_id]
+    own = next(d for d in range(len(cross.draft_tokenizer)) if d not in translation.to_target)
+    row[own] = 0.5
+    with pytest.raises(WireFormatError, match="does not share"):
+        translation.target_row(row, width)
+    with pytest.raises(WireFormatError, match="does not share"):
+        translation.target_ids([shared[0], own])
+
+
+def greedy_request(prompt: list[int], k: int = 4) -> orchestrator_pb2.GenerateRequest:
+    return orchestrator_pb2.GenerateRequest(
+        token_ids=orchestrator_pb2.TokenIds(ids=prompt),
+        max_new_tokens=TOKENS,
+        num_speculative_tokens=k,
+        speculation_policy=orchestrator_pb2.SPECULATION_POLICY_FIXED,
+    )
+
+
+def shared_prompt(cross: CrossPair, seed: int) -> list[int]:
+    """Six target tokens the draft shares: where a tiny random draft agrees with its target (it is no
+    language model, so a context it sees spelled differently changes its guesses)."""
+    shared = sorted(cross.translation.to_target.values())
+    return [shared[(seed * 7919 + i * 104729) % len(shared)] for i in range(6)]
+
+
+def test_a_cross_tokenizer_pair_is_greedy_identical_to_the_target_at_8_streams(cross):
+    texts = [cross.target_tokenizer.encode(text) for text in TEXTS]
+    shared = [shared_prompt(cross, seed) for seed in range(8)]
+
+    def run(prompt: list[int]) -> tuple[list[int], orchestrator_pb2.GenerateResponse]:
+        tokens, _, last = collect(cross.orchestrator.stub, greedy_request(prompt))
+        return tokens, last
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(run, texts + shared))
+    split_then_rejected = drafted = accepted = 0
+    for index, (prompt, (tokens, last)) in enumerate(zip(texts + shared, results, strict=True)):
+        assert tokens == hf_greedy(cross.target, prompt, TOKENS)
+        assert last.stats.draft_fallback_rounds == 0  # every drafted token was a shared one
+        splits = [i for i, t in enumerate(tokens) if len(cross.translation.spell(t)) > 1]
+        split_then_rejected += bool(splits) and last.stats.accepted_tokens < last.stats.draft_tokens
+        if index >= len(texts):
+            drafted += last.stats.draft_tokens
+            accepted += last.stats.accepted_tokens
+    assert drafted and accepted / drafted > 0.3, (accepted, drafted)  # the draft really drafts, and agrees
+    # Outputs that hold a token the draft must split, from requests with rejections: their draft sessions
+    # rolled back to target positions past split tokens.
+    assert split_then_rejected >= 2
+
+
+def test_a_cross_tokenizer_pair_keeps_the_target_distribution_at_8_streams(cross):
+    """The first sampled token (its round drafts a shared token) follows the target's distribution:
+    q travels in the draft's ids and is moved to the target's, zeros at the tokens it cannot propose."""
+    # A prompt where q is close to p but not equal (about 13% of first tokens come from the residual
+    # max(0, p - q)): a q row moved to the wrong ids is caught in 40 of 40 simulated runs at 800
+    # samples (27 of 40 at 400), and was caught here when planted.
+    prompt, samples = shared_prompt(cross, 0), 800
+
+    def first_token(seed: int) -> int:
+        request = orchestrator_pb2.GenerateRequest(
+            token_ids=orchestrator_pb2.TokenIds(ids=prompt),
+            max_new_tokens=2,  # the first round drafts one token (K + 1 fits max_new_tokens)
+            temperature=1.0,
+            seed=seed,
+            num_speculative_tokens=2,
+            speculation_policy=orchestrator_pb2.SPECULATION_POLICY_FIXED,
+            overlap_drafting=False,
+        )
+        tokens, _, last = collect(cross.orchestrator.stub, request)
+        assert last.stats.draft_fallback_rounds == 0 and last.stats.draft_tokens
+        return tokens[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        counts = Counter(pool.map(first_token, range(samples)))
+    with torch.no_grad():
+        probs = cross.target.model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+    assert float(probs.max()) > 0.1  # a distribution a wrong q would visibly bend
+    pvalue = first_token_pvalue(counts, probs, samples)
+    assert pvalue > 0.01, pvalue
+
+
+def test_a_pair_is_refused_unless_both_sides_name_the_others_tokenizer(cross):
+    target, draft = cross.target_server.servicer.model_info(), cross.draft_server.servicer.model_info()
+    assert draft.target_tokenizer_fingerprint == target.tokenizer_fingerprint
+    check_pair(target, draft, cross.translation)
+    with pytest.raises(PairMismatch, match="start the orchestrator with --draft-tokenizer"):
+        check_pair(target, draft)
+    unrestricted = common_pb2.ModelInfo()
+    unrestricted.CopyFrom(draft)
+    unrestricted.target_tokenizer_fingerprint = ""
+    with pytest.raises(PairMismatch, match="start it with --target-tokenizer"):
+        check_pair(target, unrestricted, cross.translation)
+    other = Translation(cross.target_tokenizer, cross.target_tokenizer)  # the wrong --draft-tokenizer
+    with pytest.raises(PairMismatch, match="is not draft model"):
+        check_pair(target, draft, other)
+    plain = common_pb2.ModelInfo(model="d", vocab_size=draft.vocab_size, tokenizer_fingerprint="abc")
+    with pytest.raises(PairMismatch, match="or draft across tokenizers"):
+        check_pair(target, plain)
+
+
+def test_a_pair_below_the_overlap_floor_is_refused_at_start_naming_both(cross):
+    overlap = check_overlap(cross.translation.pair, cross.target_tokenizer, 0.0)
+    config = orchestrator_config(
+        cross.target_server, cross.draft_server, draft_tokenizer=str(cross.draft_path), min_vocab_overlap=0.99
+    )
+    with pytest.raises(PairMismatch, match=rf"shares {overlap:.0%} of target tokenizer .* below the floor of 99%"):
+        translation_for(cross.target_tokenizer, config)  # what the orchestrator's start-up runs
