@@ -10,7 +10,7 @@ PAIR ?= default_models/pair
 PROMPT ?= def fibonacci(n):
 HOST ?= 127.0.0.1
 
-.PHONY: setup proto lint test test-long matrix run bench load-bench compare-bench host-bench link-bench prefix-bench gpu-bench sim-bench speculation-bench tree-bench guidellm-bench soak wheel image python-base image-test models evaluate clean
+.PHONY: setup proto lint test test-long matrix run bench load-bench compare-bench host-bench link-bench prefix-bench gpu-bench sim-bench speculation-bench tree-bench cross-bench guidellm-bench soak wheel image python-base image-test models evaluate clean
 
 setup: $(INSTALLED) $(GENERATED)
 
@@ -109,6 +109,11 @@ speculation-bench: setup
 # counts, in-process: bench/tree.py; about 20 minutes).
 tree-bench: setup
 	$(PY) -m bench.tree
+
+# A draft with another tokenizer (the default draft over a SentencePiece-style tokenizer of 85% overlap)
+# against the same draft with the target's tokenizer and the target alone, one stream, pinned.
+cross-bench: setup
+	$(PY) -m bench.cross_pair
 
 # guidellm (the vLLM project's load tool) against the gateway: synthetic prompts with ignore_eos, every request
 # must complete (bench/guidellm.py). guidellm pins its own stack, so it gets a virtual environment of its own.

@@ -23,7 +23,7 @@ from orchestrator.upstream import Context
 from serving.tensors import WireFormatError
 from serving.vocab_map import check_overlap, token_bytes
 from specdec.v1 import common_pb2, orchestrator_pb2
-from tests.conftest import collect, hf_greedy
+from tests.conftest import collect, hf_greedy, wait_until
 from tests.servers import OrchestratorThread, load, orchestrator_config, start_draft, start_target
 from tests.test_sampling_exactness import first_token_pvalue
 from tests.tiny_models import byte_level_bpe, save, sentencepiece_from, tiny_llama
@@ -245,3 +245,21 @@ def test_a_pair_below_the_overlap_floor_is_refused_at_start_naming_both(cross):
     )
     with pytest.raises(PairMismatch, match=rf"shares {overlap:.0%} of target tokenizer .* below the floor of 99%"):
         translation_for(cross.target_tokenizer, config)  # what the orchestrator's start-up runs
+
+
+def test_a_cancel_mid_generation_leaves_both_sessions_freed_and_the_next_request_exact(cross):
+    """A request whose prompt and output hold split tokens, cancelled after its first messages: both
+    services end its sessions, and the same prompt again (the draft's prefix cache now holding its
+    spelled prompt) is still the target's output."""
+    prompt = cross.target_tokenizer.encode(TEXTS[2])
+    assert any(len(cross.translation.spell(t)) > 1 for t in prompt)
+    request = greedy_request(prompt)
+    request.max_new_tokens = 64
+    call = cross.orchestrator.stub.Generate(request)
+    next(call)
+    next(call)
+    call.cancel()
+    target, draft = cross.target_server.servicer, cross.draft_server.servicer
+    assert wait_until(lambda: target.store.open_sessions == 0 == draft.store.open_sessions)
+    tokens, _, last = collect(cross.orchestrator.stub, greedy_request(prompt))
+    assert tokens == hf_greedy(cross.target, prompt, TOKENS) and last.stats.draft_tokens

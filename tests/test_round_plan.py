@@ -88,6 +88,8 @@ def test_the_one_cap_holds_the_drafts_bounds():
     assert cap(12, STATE, LIMITS, drafted=False) == 12  # a lookup's or grammar's block has no draft step
     assert cap(12, STATE, LIMITS, drafted=True, guess=1) == 7  # the guess is drafted in the same step
     assert cap(12, replace(STATE, length=995), replace(LIMITS, draft_max_context=998), drafted=True) == 3
+    # A draft with another tokenizer holds the sequence in more tokens (split ones): its context binds first.
+    assert cap(12, replace(STATE, length=990, draft_extra=5), replace(LIMITS, draft_max_context=998), drafted=True) == 3
     assert cap(4, STATE, LIMITS, drafted=True) == 4
     assert cap(12, STATE, LIMITS, drafted=False, after=85) == 4  # 5 tokens left after those 85
 

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from bench.cross_pair import METASPACE
 from serving.vocab_map import VocabularyError, check_overlap, intersect, main, token_bytes
-from tests.tiny_models import METASPACE, byte_level_bpe, sentencepiece_from, word_tokenizer
+from tests.tiny_models import byte_level_bpe, sentencepiece_from, word_tokenizer
 
 PAIR = Path(__file__).resolve().parents[1] / "default_models" / "pair"
 

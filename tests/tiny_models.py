@@ -6,13 +6,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import ByteLevelBPETokenizer, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import ByteLevelBPETokenizer, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from bench.cross_pair import sentencepiece_tokenizer
 from serving.vocab_map import reference_text, token_bytes
 
 EOS = "<eos>"
-METASPACE = "\u2581"
 
 
 def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -52,28 +52,8 @@ def byte_level_bpe(vocab_size: int = 600) -> PreTrainedTokenizerFast:
 
 def sentencepiece_from(byte_level: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
     """A SentencePiece-style tokenizer (Metaspace, byte fallback) sharing part of `byte_level`'s
-    vocabulary, in Llama 2's layout: specials first (EOS </s> is 2), the 256 byte pieces, then pieces.
-    Its pieces are every third whole-UTF-8 token of the byte-level vocabulary (spaces as ▁), "e" (which
-    <0x65> repeats) and one of its own; "zzyzx" is an added token."""
-    table = token_bytes(byte_level)
-    pieces: list[tuple[str, float]] = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0)]
-    pieces += [(f"<0x{b:02X}>", -20.0) for b in range(256)]
-    for token_id in sorted(table)[::3]:
-        try:
-            text = table[token_id].decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-        if text != "e":
-            pieces.append((text.replace(" ", METASPACE), -float(len(pieces))))
-    pieces += [(f"{METASPACE}zzyzx", -1.0), ("e", -1.0)]
-    model = Tokenizer(models.Unigram(pieces, unk_id=0, byte_fallback=True))
-    model.normalizer = normalizers.Sequence([normalizers.Prepend(METASPACE), normalizers.Replace(" ", METASPACE)])
-    model.decoder = decoders.Sequence(
-        [decoders.Replace(METASPACE, " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    tokenizer.add_tokens(["zzyzx"])  # an added token: never shared
-    return tokenizer
+    vocabulary: a piece for every third of its tokens (bench/cross_pair.py's layout)."""
+    return sentencepiece_tokenizer(byte_level, sorted(token_bytes(byte_level))[::3])
 
 
 def _byte_chars() -> dict[str, int]:
