@@ -40,6 +40,7 @@ class LoadConfig:
     kind: str  # "services", "hf_batch" (padded generate) or "hf_cb" (generate_batch)
     k: int | None = None  # None: the policy's default bound
     policy: str = "fixed"
+    tree: bool = False  # greedy model rounds draft a token tree of K nodes (speculation_tree)
 
 
 HF_BATCH_NAME = "HF generate() padded batch"
@@ -137,6 +138,8 @@ async def run_services(
         )
         if config.k is not None:
             request.num_speculative_tokens = config.k
+        if config.tree:
+            request.speculation_tree = True
         requests.append(request)
     # A channel per client, each a connection of its own (an orchestrator with --workers balances by
     # connection; identical channels share one unless each has a subchannel pool of its own).

@@ -68,6 +68,10 @@ CONFIGS = [
     SimConfig(LoadConfig("fixed K = 2", "services", 2), "draft"),
     SimConfig(LoadConfig("fixed K = 4", "services", 4), "draft"),
     SimConfig(LoadConfig("fixed K = 4" + CACHE_OFF, "services", 4), NO_CACHE),
+    # Token trees against chains at equal verify tokens (greedy; a tree request drafts no block ahead).
+    SimConfig(LoadConfig("fixed K = 8", "services", 8), "draft"),
+    SimConfig(LoadConfig("tree of 4", "services", 4, tree=True), "draft"),
+    SimConfig(LoadConfig("tree of 8", "services", 8, tree=True), "draft"),
     SimConfig(LoadConfig("load_aware, unrelated draft", "services", None, "load_aware"), "unrelated"),
 ]
 PROFILES = {  # name: (target profile, draft profile)
