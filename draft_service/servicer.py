@@ -11,7 +11,6 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -58,9 +57,9 @@ class DraftServicer(
         self._rows: dict[str, tuple[int, deque[tuple[int, SamplingParams, torch.Tensor]]]] = {}
         super().__init__(loaded, config)
         # Token trees: how often a node's child at each rank is kept, learnt from every session's verdicts,
-        # and each session's last tree, until a step names its verdict.
+        # and each session's last tree (its length before it, the tree, the rows it grew from).
         self.tree_calibration = Calibration(config.max_speculative_tokens)
-        self._trees: dict[str, _PendingTree] = {}
+        self._trees: dict[str, tuple[int, DraftTree, dict[int, torch.Tensor]]] = {}
         # A target with another tokenizer: the draft proposes the tokens both share alone.
         self.shared: torch.Tensor | None = None
         self.target_tokenizer_fingerprint = ""
@@ -183,7 +182,10 @@ class DraftServicer(
         return job
 
     def drafted_ahead(self, session: Session, request: draft_pb2.DraftRequest) -> tuple[Job, Future[Any]] | None:
-        self._learn_tree(session, request)
+        last_tree = self._trees.pop(session.session_id, None)
+        if last_tree is not None and request.keep == last_tree[0]:  # the step names the tree's verdict
+            _, tree, rows = last_tree
+            self.tree_calibration.learn_from_tokens(tree, rows, list(request.append_token_ids))
         if self.speculation is None:
             return None
         entry = self.speculation.take(session, request)
@@ -191,30 +193,11 @@ class DraftServicer(
             return None
         return entry.job, self.speculation.settle(session, entry)
 
-    def _learn_tree(self, session: Session, request: draft_pb2.DraftRequest) -> None:
-        """Let the calibration learn from the step that names the session's last tree's verdict: the
-        first step whose kept tokens and appended ones, from the tree's start, are committed tokens. A
-        step beside the tree's verify appends the tree's first line, a guess: it is remembered with what
-        the draft then drafted, so that the next step (keeping what it shares with them) names the
-        verdict from the tree's root."""
-        pending = self._trees.get(session.session_id)
-        if pending is None:
-            return
-        if pending.fed is None and request.beside:
-            if request.keep == pending.start:
-                pending.fed = list(request.append_token_ids)
-            return
-        del self._trees[session.session_id]
-        fed = pending.fed or []
-        if pending.start <= request.keep <= pending.start + len(fed):
-            tokens = fed[: request.keep - pending.start] + list(request.append_token_ids)
-            self.tree_calibration.learn_from_tokens(pending.tree, pending.rows, tokens)
-
     def respond(self, job: Job, request: draft_pb2.DraftRequest, session: Session) -> draft_pb2.DraftResponse:
         if isinstance(job, TreeDraftJob):
             assert job.builder is not None
             tree = job.builder.tree()
-            self._trees[session.session_id] = _PendingTree(job.start, tree, job.rows)
+            self._trees[session.session_id] = (job.start, tree, job.rows)
             return draft_pb2.DraftResponse(
                 result=common_pb2.SESSION_RESULT_OK,
                 draft_token_ids=tree.token_ids,
@@ -222,9 +205,6 @@ class DraftServicer(
                 cached_tokens=job.start,
             )
         assert isinstance(job, DraftJob)
-        pending = self._trees.get(session.session_id)
-        if pending is not None and request.beside and pending.fed is not None:
-            pending.fed.extend(job.token_ids[:-1])  # fed after the line, all but the last
         speculated = job.speculative
         k = request.num_speculative_tokens
         if speculated:
@@ -313,18 +293,6 @@ def shared_tokens(loaded: LoadedModel, target_tokenizer: str) -> tuple[torch.Ten
         detail="drafts propose the shared tokens alone; no speculation cache or token trees",
     )
     return shared, tokenizer_fingerprint(target)
-
-
-@dataclass
-class _PendingTree:
-    """A session's last token tree, until a step names its verdict: the sequence's length before it,
-    the tree, the rows it grew from, and what a step beside its verify fed after the tree's start (its
-    first line, then the draft's tokens after it; None: no such step yet)."""
-
-    start: int
-    tree: DraftTree
-    rows: dict[int, torch.Tensor]
-    fed: list[int] | None = None
 
 
 def _speculates(request: draft_pb2.DraftRequest) -> bool:

@@ -74,21 +74,18 @@ class Drafter:
             log.info("drafting_stopped", request_id=self.request.request_id, reason="a token past the draft's width")
             self.refused = True
 
-    async def propose(
-        self, context: Context, k: int, ahead_k: tuple[int, int] = (0, 0), tree: bool = False, beside: bool = False
-    ) -> Draft:
+    async def propose(self, context: Context, k: int, ahead_k: tuple[int, int] = (0, 0), tree: bool = False) -> Draft:
         """The draft's block of k tokens (capped by `round_plan.cap`) continuing `context` (the committed
         sequence, or it plus a block under verification), or NO_DRAFT (the target alone, still exact)
         when the draft fails. `ahead_k`: the K of the blocks the draft drafts ahead for the verdicts;
-        `tree`: a token tree of at most k nodes instead of a chain; `beside`: drafted beside a verify,
-        after the verdict it assumes."""
+        `tree`: a token tree of at most k nodes instead of a chain."""
         assert self.stream is not None and k >= 1
         draft = self.stream
         fed = self.in_draft_ids(context)
         try:  # a step unanswered for --draft-timeout-s raises TimeoutError (its link's timer)
             stepped = await draft.step(
                 fed,
-                lambda keep: self.fields.draft(fed, keep, k, ahead_k, tree, beside),
+                lambda keep: self.fields.draft(fed, keep, k, ahead_k, tree),
                 fed_beyond=lambda response: response.draft_token_ids,  # all but the last are fed
             )
             response = stepped.response

@@ -56,7 +56,6 @@ class Ahead:
 
     task: asyncio.Task[Draft]
     checked: Checked  # the step's answer
-    assumed: list[int]  # what the draft assumed the step would accept (the block, or a tree's first line)
     tokens: list[int]  # what the step committed
     scored: bool  # a probe's token, or a block drafted beside the prefill: its first token is scored
     after_prefill: bool  # beside the first round: waiting for it is no round's cost
@@ -196,7 +195,8 @@ class Generation:
             self._ahead = None
             if previous.scored:
                 probed = (drafted, previous.checked)
-            ahead = still_valid(drafted, previous.assumed, previous.tokens)
+            verdict = previous.checked.verdict
+            ahead = still_valid(drafted, verdict.output_token_ids, verdict.all_accepted, previous.tokens)
             if previous.after_prefill:  # the draft's prefill, beside the target's, is no round's cost
                 started = time.perf_counter()
         block = plan.block
@@ -228,10 +228,7 @@ class Generation:
                 outcome.side.cancel()
             raise
         if outcome.side is not None:
-            assumed = outcome.block.assumed
-            self._ahead = Ahead(
-                outcome.side, outcome.checked, assumed, tokens, plan.scored, after_prefill=not self.produced
-            )
+            self._ahead = Ahead(outcome.side, outcome.checked, tokens, plan.scored, after_prefill=not self.produced)
         self.produced += len(tokens)
         self.round_seconds = outcome.seconds
         now = time.perf_counter()
@@ -280,11 +277,11 @@ class Generation:
 
     async def _verify_beside(self, block: Draft, side_k: int) -> tuple[Checked, asyncio.Task[Draft] | None]:
         """The target's check of `block`, and the task drafting `side_k` tokens continuing the sequence
-        plus what the block's verdict is assumed to accept (`Draft.assumed`) meanwhile (None when side_k
-        is 0), left running: the step's tokens go to the client before the next round awaits it."""
+        plus `block` meanwhile (None when side_k is 0), left running: the step's tokens go to the client
+        before the next round awaits it."""
         if not side_k:
             return await self.verifier.verify(self.sequence, block, None), None
-        side = asyncio.create_task(self.drafter.propose(Context(self.sequence, block.assumed), side_k, beside=True))
+        side = asyncio.create_task(self.drafter.propose(Context(self.sequence, block.token_ids), side_k))
         try:
             checked = await self.verifier.verify(self.sequence, block, side)
         except BaseException:

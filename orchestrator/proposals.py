@@ -9,7 +9,6 @@ import torch
 
 from orchestrator.rejection import Verdict
 from orchestrator.upstream import Place
-from serving.trees import DraftTree
 from specdec.v1 import orchestrator_pb2
 
 MODEL = "model"
@@ -121,14 +120,6 @@ class Draft:
     rows_at: RowsAt | None = None  # a sampled model block's rows, on the draft service
     speculated: bool = False  # drafted ahead by the draft's speculation cache while the last step was verified
     parents: tuple[int, ...] = ()  # a token tree: each token's parent among token_ids (-1: the sequence's end)
-
-    @property
-    def assumed(self) -> list[int]:
-        """What a step drafted beside this block's verify assumes is accepted: the whole block, or a
-        tree's first-drawn line (the draft's likeliest path)."""
-        if not self.parents:
-            return self.token_ids
-        return [self.token_ids[node] for node in DraftTree(self.token_ids, self.parents).first_line()]
 
     def first(self, k: int) -> Draft:
         """The first k tokens (a ready block may be longer than this round allows)."""

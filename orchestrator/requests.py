@@ -73,18 +73,11 @@ class StepFields:
         self.constraint = constraint_fields  # sent on a session's first step (keep = 0)
 
     def draft(
-        self,
-        context: Context,
-        keep: int,
-        k: int,
-        ahead_k: tuple[int, int] = (0, 0),
-        tree: bool = False,
-        beside: bool = False,
+        self, context: Context, keep: int, k: int, ahead_k: tuple[int, int] = (0, 0), tree: bool = False
     ) -> draft_pb2.DraftRequest:
         """A draft step of k tokens after `context`; `ahead_k`: the K of the blocks the draft drafts ahead
         for this step's verdicts, after a rejection and after the whole block (its speculation cache;
-        0: none); `tree`: a token tree of k nodes instead of a chain; `beside`: a step beside a verify,
-        after the verdict it assumes."""
+        0: none); `tree`: a token tree of k nodes instead of a chain."""
         request, limits, n = self.request, self.limits, len(context)
         base = request.seed * _SEED_MIX & _U64
         return draft_pb2.DraftRequest(
@@ -93,7 +86,6 @@ class StepFields:
             append_token_ids=context[keep:],
             num_speculative_tokens=k,
             tree_budget=k if tree else 0,
-            beside=beside,
             sampling=self.sampling,
             # Seeded by position, so a block drafted again after a lost session is the same block.
             seed=(base + n) & _U64,

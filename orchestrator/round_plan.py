@@ -12,9 +12,7 @@ same beside the target's prefill; at K = 0, a probe (one token for the position 
 the policy to learn from at no cost to the round's time). A draft service with a speculation cache
 drafts the next block itself, for each likely verdict (draft_service/speculation.py): a model block
 then asks for it (`RoundPlan.ahead_k`) and has no side step. A request that drafts token trees
-(`RoundState.tree`) drafts a tree of K nodes after its first round; beside its verify the draft
-drafts the next block after the tree's first-drawn line, which the next round uses (as a chain) when
-the target accepted that whole line.
+(`RoundState.tree`) drafts a tree of K nodes after its first round, with nothing beside it.
 
 Every K is capped by one function, `cap`, so that no round overshoots max_new_tokens, a context, or
 the draft's own bound on a step.
@@ -130,17 +128,18 @@ def plan_round(state: RoundState, policy: KPolicy, lookup_policy: KPolicy | None
 
 def side_k_for(plan: RoundPlan, block: Draft, limits: ModelLimits) -> int:
     """Tokens the draft drafts beside the step that verifies `block`: the plan's (prefill, probe), or
-    for a model block with overlap the guess of the step's last token plus the next round's K, after
-    what the block's verdict would be if the draft's likeliest line were accepted (the whole chain, or
-    a tree's first-drawn line); 0 when no next round could use them."""
+    for a model block with overlap the guess of the bonus token plus the next round's K; 0 when no
+    next round could use them."""
     state = plan.state
     if plan.side_k or not state.overlap or not block.token_ids or block.proposer != MODEL:
         return plan.side_k
-    if state.speculation_cache and not block.parents:
-        return 0  # the draft service drafts ahead itself (a chain's step asks it to; a tree's does not)
+    if block.parents:
+        return 0  # a tree's verdict is no chain's: nothing drafted ahead guesses it
+    if state.speculation_cache:
+        return 0  # the draft service drafts ahead itself
     if state.constrained and any(t in limits.eos_token_ids for t in block.token_ids):
         return 0  # a block that may end the generation: a constrained draft cannot feed past its EOS
-    return _ahead(plan.next_k, state, len(block.assumed), limits)
+    return _ahead(plan.next_k, state, len(block.token_ids), limits)
 
 
 def _ahead(next_k: int, state: RoundState, block: int, limits: ModelLimits) -> int:
@@ -150,13 +149,19 @@ def _ahead(next_k: int, state: RoundState, block: int, limits: ModelLimits) -> i
     return k + 1 if k >= 1 else 0
 
 
-def still_valid(ahead: Draft, assumed: Sequence[int], committed: Sequence[int]) -> Draft | None:
-    """The rest of a block drafted ahead when the step committed what it assumed (`assumed`, then its
-    first token, the guess of the step's last token), else None.
+def still_valid(
+    ahead: Draft, output_token_ids: Sequence[int], all_accepted: bool, committed: Sequence[int]
+) -> Draft | None:
+    """The rest of a block drafted ahead when its first token guessed the step's last token, else None.
 
     Its tokens were sampled from the draft given exactly the sequence now committed, so they are as
     valid a proposal as a block drafted now; otherwise it is dropped (the draft's next step keeps only
     what it shares with the sequence)."""
-    if len(ahead.token_ids) < 2 or list(committed) != [*assumed, ahead.token_ids[0]]:
+    if (
+        len(ahead.token_ids) < 2
+        or not all_accepted
+        or len(committed) != len(output_token_ids)  # cut at EOS
+        or ahead.token_ids[0] != committed[-1]
+    ):
         return None
     return ahead.rest()

@@ -38,16 +38,6 @@ class DraftTree:
         """The children of `node` (-1: the root), in drawing order."""
         return [child for child, parent in enumerate(self.parents) if parent == node]
 
-    def first_line(self) -> list[int]:
-        """The nodes from the root's first child down through each node's first child: the draft's
-        likeliest line (a node's first child is its first drawn)."""
-        line: list[int] = []
-        children = self.children(-1)
-        while children:
-            line.append(children[0])
-            children = self.children(children[0])
-        return line
-
     def path(self, node: int) -> list[int]:
         """The nodes from the root's first child down to `node`."""
         path = []

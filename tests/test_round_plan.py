@@ -150,26 +150,18 @@ def test_a_constrained_block_that_may_end_is_not_drafted_past():
 
 def test_a_block_drafted_ahead_is_used_only_when_its_guess_was_right():
     ahead = Draft([9, 10, 11], [0.5, 0.6, 0.7])
-    assert still_valid(ahead, [4], [4, 9]) == Draft([10, 11], [0.6, 0.7])
-    assert still_valid(ahead, [4], [4, 8]) is None  # another bonus token
-    assert still_valid(ahead, [4], [9]) is None  # a rejection (the target's token happened to be the guess)
-    assert still_valid(ahead, [4, 5], [4, 9]) is None  # a rejection at the block's second token
-    assert still_valid(ahead, [4], [4]) is None  # cut at EOS
-    assert still_valid(Draft([9], None), [4], [4, 9]) is None  # nothing after the guess
+    assert still_valid(ahead, [4, 9], True, [4, 9]) == Draft([10, 11], [0.6, 0.7])
+    assert still_valid(ahead, [4, 8], True, [4, 8]) is None  # another bonus token
+    assert still_valid(ahead, [4, 9], False, [4, 9]) is None  # a rejection
+    assert still_valid(ahead, [4, 9], True, [4]) is None  # cut at EOS
+    assert still_valid(Draft([9], None), [9], True, [9]) is None  # nothing after the guess
 
 
-def test_a_tree_request_drafts_a_tree_of_k_nodes_after_its_first_round_and_its_first_line_beside_it():
+def test_a_tree_request_drafts_a_tree_of_k_nodes_after_its_first_round_with_nothing_beside_it():
     state = replace(STATE, tree=True, speculation_cache=True)
     plan = plan_round(state, Counting(4), None, LIMITS)
     assert (plan.block, plan.k, plan.tree, plan.ahead_k) == (None, 4, True, (0, 0))
-    # Beside the tree's verify, the next block after its first-drawn line (nodes 0, 1, 3: the root's
-    # first child, then each first child), even with a speculation cache (a tree's step asks none).
-    tree = Draft([5, 6, 7, 8, 9], None, parents=(-1, 0, -1, 1, 0))
-    assert tree.assumed == [5, 6, 8]
-    assert side_k_for(plan, tree, LIMITS) == 5  # the guess of the step's last token, then K = 4
-    ahead = Draft([3, 10, 11], None)
-    assert still_valid(ahead, tree.assumed, [5, 6, 8, 3]) == Draft([10, 11], None)
-    assert still_valid(ahead, tree.assumed, [5, 9, 3]) is None  # another branch was accepted
+    assert side_k_for(plan, Draft([5, 6, 7, 8], None, parents=(-1, 0, -1, 2)), LIMITS) == 0
     first = plan_round(replace(state, produced=0, overlap=False, speculation_cache=False), Counting(4), None, LIMITS)
     assert first.k == 4 and not first.tree  # the prompt goes to both services as a chain's step
     assert not plan_round(STATE, Counting(4), None, LIMITS).tree

@@ -17,7 +17,6 @@ import itertools
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -26,7 +25,6 @@ from scipy import stats
 
 import orchestrator.tree as tree_module
 from bench.tree import Model, generate
-from draft_service.servicer import _PendingTree
 from draft_service.tree import Calibration, TreeBuilder, drawing_order
 from model_host.loading import LoadedModel
 from orchestrator.rejection import SampledRound, verify_sampled
@@ -242,7 +240,7 @@ def test_greedy_tree_rounds_through_the_services_equal_the_target_alone(tree_sta
     tested = float(calibration.tested.sum())
     prompts = [[5, 6, 7], [40, 41, 2, 9], [17, 3, 3, 3, 80], [90, 1]]
 
-    def generate(job: tuple[list[int], bool]) -> tuple[list[int], int]:
+    def generate(job: tuple[list[int], bool]) -> list[int]:
         prompt, tree = job
         request = orchestrator_pb2.GenerateRequest(
             token_ids=orchestrator_pb2.TokenIds(ids=prompt),
@@ -253,49 +251,14 @@ def test_greedy_tree_rounds_through_the_services_equal_the_target_alone(tree_sta
         )
         ids, _, last = collect(orchestrator.stub, request)
         assert last.stats.draft_fallback_rounds == 0
-        return ids, last.stats.overlapped_rounds
+        return ids
 
     jobs = [(prompt, tree) for prompt in prompts for tree in (True, False)]
     with ThreadPoolExecutor(4) as pool:
         outputs = list(pool.map(generate, jobs))
-    for (prompt, _), (ids, _) in zip(jobs, outputs, strict=True):
+    for (prompt, _), ids in zip(jobs, outputs, strict=True):
         assert ids == hf_greedy(target_model, prompt, 40), prompt
     assert float(calibration.tested.sum()) > tested  # tree verdicts came back and were learnt
-    # Blocks drafted beside a tree's verify, after its first line, were used when that line was accepted.
-    assert sum(overlapped for (_, tree), (_, overlapped) in zip(jobs, outputs, strict=True) if tree)
-
-
-def test_a_trees_verdict_is_learnt_through_the_step_beside_its_verify(tree_stack, monkeypatch):
-    """Beside a tree's verify the draft drafts after the tree's first line: that step's tokens are a
-    guess, so the calibration learns from the step after it, which names the verdict by keeping what
-    it shares with the line and what was drafted after it."""
-    servicer = tree_stack[1].servicer
-    learnt: list[list[int]] = []
-    monkeypatch.setattr(
-        servicer.tree_calibration, "learn_from_tokens", lambda tree, rows, tokens: learnt.append(tokens)
-    )
-    session = SimpleNamespace(session_id="learnt")
-    tree = DraftTree([5, 6, 7, 8], (-1, 0, -1, 1))  # its first line: 5, 6, 8
-
-    def step(keep: int, append: list[int], beside: bool) -> None:
-        servicer._learn_tree(session, draft_pb2.DraftRequest(keep=keep, append_token_ids=append, beside=beside))
-
-    # The whole line accepted, and the target's token after it was the step beside's first: the next
-    # round used that block, and the step beside it keeps it all.
-    servicer._trees["learnt"] = _PendingTree(10, tree, {})
-    step(10, [5, 6, 8], beside=True)
-    servicer._trees["learnt"].fed.extend([3, 10])  # what that step drafted, but its last
-    step(15, [11, 12], beside=True)
-    assert learnt.pop() == [5, 6, 8, 3, 10, 11, 12] and "learnt" not in servicer._trees
-    # Another branch: the next step keeps the line's first token only, and appends the target's.
-    servicer._trees["learnt"] = _PendingTree(10, tree, {})
-    step(10, [5, 6, 8], beside=True)
-    step(11, [9], beside=False)
-    assert learnt.pop() == [5, 9]
-    # No step beside it: the next step names the verdict from the tree's start.
-    servicer._trees["learnt"] = _PendingTree(10, tree, {})
-    step(10, [7, 2], beside=False)
-    assert learnt.pop() == [7, 2] and not learnt
 
 
 def test_a_tree_step_a_service_does_not_serve_is_refused_by_name(tree_stack):
