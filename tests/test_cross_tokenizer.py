@@ -263,3 +263,21 @@ def test_a_cancel_mid_generation_leaves_both_sessions_freed_and_the_next_request
     assert wait_until(lambda: target.store.open_sessions == 0 == draft.store.open_sessions)
     tokens, _, last = collect(cross.orchestrator.stub, greedy_request(prompt))
     assert tokens == hf_greedy(cross.target, prompt, TOKENS) and last.stats.draft_tokens
+
+
+def test_a_constrained_request_drafts_unconstrained_and_keeps_the_targets_output(cross):
+    """The draft gets no constraint (it is compiled for the target's tokens); the target masks its rows
+    and the orchestrator checks every token, so the output is the target alone's under the constraint."""
+    assert cross.target_server.servicer.model_info().structured_output_kinds
+    constraint = common_pb2.StructuredOutput(regex=r"(def|class) [a-z_]{1,12}\((self|args)?\):")
+    prompt = cross.target_tokenizer.encode(TEXTS[3])
+
+    def run(k: int) -> tuple[list[int], orchestrator_pb2.GenerateResponse]:
+        request = greedy_request(prompt, k)
+        request.structured_output.CopyFrom(constraint)
+        tokens, _, last = collect(cross.orchestrator.stub, request)
+        return tokens, last
+
+    alone, _ = run(0)
+    tokens, last = run(4)
+    assert tokens == alone and last.stats.draft_tokens and last.stats.draft_fallback_rounds == 0
