@@ -91,7 +91,7 @@ def cross(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CrossPair]:
     target_server = start_target(target)
     draft_server = start_draft(load(draft_path), target_tokenizer=str(target_path))
     orchestrator = OrchestratorThread(
-        orchestrator_config(target_server, draft_server, draft_tokenizer=str(draft_path), min_vocab_overlap=0.3)
+        orchestrator_config(target_server, draft_server, draft_tokenizer=str(draft_path))
     )
     yield CrossPair(
         target_tokenizer,
