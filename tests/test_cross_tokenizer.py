@@ -90,9 +90,7 @@ def cross(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CrossPair]:
     target = load(target_path)
     target_server = start_target(target)
     draft_server = start_draft(load(draft_path), target_tokenizer=str(target_path))
-    orchestrator = OrchestratorThread(
-        orchestrator_config(target_server, draft_server, draft_tokenizer=str(draft_path))
-    )
+    orchestrator = OrchestratorThread(orchestrator_config(target_server, draft_server, draft_tokenizer=str(draft_path)))
     yield CrossPair(
         target_tokenizer,
         draft_tokenizer,
