@@ -12,7 +12,7 @@ import grpc
 
 from orchestrator.workers import share, worker_count
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, wait_until
 from tests.servers import LOOPBACK
 from tools.local_stack import free_port, wait_serving
 
@@ -53,6 +53,9 @@ def test_two_workers_serve_one_port_exactly_and_the_target_batches_across_their_
         )  # fmt: skip
     try:
         wait_serving(f"{LOOPBACK}:{port}", 120, process)
+        # One worker answering is not both listening: the kernel spreads connections over the sockets
+        # bound when they arrive, so a request sent before the second binds can only reach the first.
+        assert wait_until(lambda: log.read_text().count('"event": "serving"') == 2, 120)
         outputs = asyncio.run(_generate(f"{LOOPBACK}:{port}"))
         links_during = len(servicer._links)
     finally:
