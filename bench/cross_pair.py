@@ -83,7 +83,7 @@ def build_cross_draft(pair: Path, out: Path, merges: int) -> Path:
     old_in, old_out = draft.get_input_embeddings().weight.detach(), draft.get_output_embeddings().weight.detach()
     width = len(tokenizer)
     new_in = torch.zeros(width, old_in.shape[1])
-    new_out = torch.full((width, old_out.shape[1]), 0.0)
+    new_out = torch.zeros(width, old_out.shape[1])
     shared = intersect(target_tokenizer, tokenizer)
     for draft_id, target_id in shared.proposable.items():
         new_in[draft_id], new_out[draft_id] = old_in[target_id], old_out[target_id]

@@ -34,14 +34,13 @@ class Translation:
 
     def __init__(self, target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:
         target_bytes = token_bytes(target)
-        draft_bytes = token_bytes(draft)
-        draft_index = ids_by_bytes(draft, draft_bytes)
+        draft_index = ids_by_bytes(draft)
         self.pair: VocabMap = intersect(target, draft, ids_by_bytes(target, target_bytes), draft_index)
         self.draft_fingerprint = tokenizer_fingerprint(draft)
         self.to_target = self.pair.proposable  # draft id -> target id
         order = sorted(self.to_target)
-        self._draft_ids = torch.tensor(order, dtype=torch.long)
-        self._target_ids = torch.tensor([self.to_target[d] for d in order], dtype=torch.long)
+        self._draft_ids = torch.tensor(order, dtype=torch.long)  # [shared]
+        self._target_ids = torch.tensor([self.to_target[d] for d in order], dtype=torch.long)  # [shared]
         self._draft_index = draft_index
         self._longest = max(map(len, draft_index), default=1)
         # A target token's bytes: its own, or a special or added token's text (a chat marker is spelled

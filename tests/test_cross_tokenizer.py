@@ -5,7 +5,6 @@ as several. Outputs are the target alone's, greedy and sampled."""
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from serving.vocab_map import check_overlap, token_bytes
 from specdec.v1 import common_pb2, orchestrator_pb2
 from tests.conftest import collect, hf_greedy, wait_until
 from tests.servers import OrchestratorThread, load, orchestrator_config, start_draft, start_target
-from tests.test_sampling_exactness import first_token_pvalue
+from tests.test_sampling_exactness import first_token_request, first_tokens_pvalue, target_first_token_probs
 from tests.tiny_models import byte_level_bpe, save, sentencepiece_from, tiny_llama
 
 TEXTS = [
@@ -195,25 +194,12 @@ def test_a_cross_tokenizer_pair_keeps_the_target_distribution_at_8_streams(cross
     prompt, samples = shared_prompt(cross, 0), 800
 
     def first_token(seed: int) -> int:
-        request = orchestrator_pb2.GenerateRequest(
-            token_ids=orchestrator_pb2.TokenIds(ids=prompt),
-            max_new_tokens=2,  # the first round drafts one token (K + 1 fits max_new_tokens)
-            temperature=1.0,
-            seed=seed,
-            num_speculative_tokens=2,
-            speculation_policy=orchestrator_pb2.SPECULATION_POLICY_FIXED,
-            overlap_drafting=False,
-        )
-        tokens, _, last = collect(cross.orchestrator.stub, request)
+        tokens, _, last = collect(cross.orchestrator.stub, first_token_request(prompt, seed, overlap_drafting=False))
         assert last.stats.draft_fallback_rounds == 0 and last.stats.draft_tokens
         return tokens[0]
 
-    with ThreadPoolExecutor(8) as pool:
-        counts = Counter(pool.map(first_token, range(samples)))
-    with torch.no_grad():
-        probs = cross.target.model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
-    assert float(probs.max()) > 0.1  # a distribution a wrong q would visibly bend
-    pvalue = first_token_pvalue(counts, probs, samples)
+    assert float(target_first_token_probs(cross.target, prompt).max()) > 0.1  # one a wrong q would visibly bend
+    pvalue = first_tokens_pvalue(cross.target, prompt, first_token, samples)
     assert pvalue > 0.01, pvalue
 
 

@@ -5,9 +5,7 @@ its own; outputs are the target alone's, greedy and sampled, also when the targe
 from __future__ import annotations
 
 import copy
-from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +19,7 @@ from orchestrator.servicer import PairMismatch, check_pair
 from specdec.v1 import common_pb2, orchestrator_pb2
 from tests.conftest import collect, hf_greedy
 from tests.servers import OrchestratorThread, load, orchestrator_config, start_draft, start_target
-from tests.test_sampling_exactness import first_token_pvalue, first_token_request
+from tests.test_sampling_exactness import first_token_request, first_tokens_pvalue
 from tests.tiny_models import perturbed_copy, save, tiny_llama, word_tokenizer
 
 TOKENIZER_TOKENS = 96  # ids past this are padding
@@ -117,11 +115,7 @@ def test_a_padded_pair_keeps_the_target_distribution(pairs, name):
         assert last.stats.draft_fallback_rounds == 0 and last.stats.draft_tokens
         return tokens[0]
 
-    with ThreadPoolExecutor(8) as pool:
-        counts = Counter(pool.map(first_token, range(samples)))
-    with torch.no_grad():
-        probs = pair.target.model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
-    pvalue = first_token_pvalue(counts, probs, samples)
+    pvalue = first_tokens_pvalue(pair.target, prompt, first_token, samples)
     assert pvalue > 0.01, pvalue
 
 

@@ -24,6 +24,7 @@ import torch
 from scipy import stats
 
 from draft_service.jobs import choose_token
+from model_host.loading import LoadedModel
 from orchestrator.generation import Generation, GenerationRequest, ModelLimits
 from orchestrator.k_policy import FixedK
 from orchestrator.upstream import DraftAvailability, Place, Stepped
@@ -518,6 +519,22 @@ def first_token_pvalue(counts: Counter[int], probs: torch.Tensor, samples: int) 
     return chi_square_pvalue(Counter({(t,): c for t, c in counts.items()}), expected, samples)
 
 
+def target_first_token_probs(model: LoadedModel, prompt: list[int]) -> torch.Tensor:
+    """The target's distribution of the token after `prompt`, [vocab]."""
+    with torch.no_grad():
+        return model.model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+
+
+def first_tokens_pvalue(
+    model: LoadedModel, prompt: list[int], first_token: Callable[[int], int], samples: int, concurrency: int = 8
+) -> float:
+    """The chi-square p-value of `first_token(seed)` for seeds 0 .. samples - 1, `concurrency` at a time,
+    against the target's distribution after `prompt`."""
+    with ThreadPoolExecutor(concurrency) as pool:
+        counts: Counter[int] = Counter(pool.map(first_token, range(samples)))
+    return first_token_pvalue(counts, target_first_token_probs(model, prompt), samples)
+
+
 def first_token_request(prompt: list[int], seed: int, **fields: Any) -> orchestrator_pb2.GenerateRequest:
     """A sampled request whose first token is the one the test counts (its first round drafts 1 token).
     The fixed policy, unless the test names one: load_aware may choose K = 0 under the test's own load
@@ -545,9 +562,5 @@ def test_real_services_first_token_distribution(orchestrators, target_model, con
     def first_token(seed: int) -> int:
         return collect(stub, first_token_request(prompt, seed))[0][0]
 
-    with ThreadPoolExecutor(concurrency) as pool:
-        counts: Counter[int] = Counter(pool.map(first_token, range(samples)))
-    with torch.no_grad():
-        logits = target_model.model(torch.tensor([prompt])).logits[0, -1]
-    pvalue = first_token_pvalue(counts, logits.softmax(-1), samples)
+    pvalue = first_tokens_pvalue(target_model, prompt, first_token, samples, concurrency)
     assert pvalue > 0.01, pvalue
