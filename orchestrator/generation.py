@@ -258,6 +258,7 @@ class Generation:
                 block.fed,
                 block.forward_seconds_per_token,
                 outcome.overlapped,
+                outcome.checked.fetch_seconds,
             )
 
     def _observe_probe(self, probe: Draft, checked: Checked) -> None:

@@ -7,9 +7,12 @@ sessions sharing its forwards (the marginal goodput of TurboSpec and SmartSpec):
 
 - E(a, K) = (1 - a^(K+1)) / (1 - a): the tokens a round commits, at the request's own running
   acceptance estimate a.
-- R(K) = S + beta K + D(K): the request's round time at K. S is what its rounds take beyond its own
-  extra rows and its wait for the draft (measured per request: queueing, the network, the
-  orchestrator, everyone else's rows); beta is what one more row adds to a target forward (the
+- R(K) = S + beta K + D(K) + (1 - a^K) f: the request's round time at K. S is what its rounds take
+  beyond its own extra rows, its wait for the draft and for the draft's row (measured per request:
+  queueing, the network, the orchestrator, everyone else's rows); f is a sampled round's wait for the
+  draft's row at a rejection (a RowFetch, measured per request; 0 for greedy), paid in the 1 - a^K
+  of rounds that reject (about 1 ms a fetch on this CPU, pinned, one stream; counted in S, it priced
+  a round at K = 0 as if it fetched too); beta is what one more row adds to a target forward (the
   service's start-up curve, scaled by live forwards against it); D(K) = w + d K is the round's wait
   for a block drafted now, where d is what the draft's forwards take per drafted token (hidden beside
   a verify or not, they take the cores or the device the draft shares) and w what the request's
@@ -177,6 +180,7 @@ class GoodputK(KPolicy):
         self._accepted, self._trials = PRIOR_ACCEPTANCE, 1.0
         self._base: float | None = None  # S: a round's seconds beyond its own rows and draft wait
         self._latency = 0.0  # w: what a speculating round waits for the draft beyond its forwards
+        self._fetch = 0.0  # f: what a sampled round waits for the draft's row at a rejection
         self._k = min(initial_k, max_k)  # the last choice
         self._whole = False  # the last block was accepted whole
         self._rounds_without_draft = 0
@@ -208,7 +212,7 @@ class GoodputK(KPolicy):
 
         # Each K's expected tokens from the last's (E(K) = E(K - 1) + a^K): this runs every round of every
         # request, and at 32 streams its cost showed in the orchestrator's CPU.
-        base, wait = max(base, 1e-6), self._latency
+        base, wait, fetch = max(base, 1e-6), self._latency, self._fetch
         ready = self._ready if self.speculates else None
         tokens, seconds, power = [1.0], [base], 1.0
         for k in range(1, (self.max_k if upto is None else max(upto, self._k)) + 1):
@@ -222,7 +226,7 @@ class GoodputK(KPolicy):
                 # target's, and the round waits only for what outlasted it.
                 ahead = power * rate if ready is None else ready
                 drafting = (1.0 - ahead) * drafting + ahead * max(drafting + draft - step, 0.0)
-            seconds.append(step + drafting)
+            seconds.append(step + drafting + (1.0 - power) * fetch)
         now = self._k
         others = crowd * tokens[now] / seconds[now] / seconds[now]
         goodputs = [t / r - others * k for k, (t, r) in enumerate(zip(tokens, seconds, strict=True))]
@@ -279,8 +283,10 @@ class GoodputK(KPolicy):
         draft_fed: int = 0,
         draft_per_token: float = 0.0,
         overlapped: bool = False,
+        fetch_seconds: float = 0.0,
     ) -> None:
-        """A round at K = k took `seconds`, `draft_wait` of them waiting for the draft; its block came
+        """A round at K = k took `seconds`, `draft_wait` of them waiting for the draft and `fetch_seconds`
+        for the draft's row at a sampled rejection (f, learnt from the rounds that fetched); its block came
         from a draft step that fed `draft_fed` tokens and ran `draft_per_token` seconds of forwards per
         drafted token. The forwards price drafting, not the wait: a step hidden beside a verify still
         takes the cores or the device the draft shares (measured on 2 cores, pinned: pricing the wait
@@ -288,7 +294,9 @@ class GoodputK(KPolicy):
         behind other sessions' drafts (30-40 ms a token at 32 streams, where a forward took a few). A
         step that fed more than a round commits was catching the draft up after rounds without it (or
         after lookup rounds, or on a reopened session): its time is this request's own, no price."""
-        base = max(seconds - draft_wait - self.times.target.row_seconds * k, 0.0)
+        base = max(seconds - draft_wait - fetch_seconds - self.times.target.row_seconds * k, 0.0)
+        if fetch_seconds > 0:
+            self._fetch = _ewma(self._fetch if self._fetch else None, fetch_seconds)
         self._base = _ewma(self._base, base)
         self.times.observe_base(base)
         if self.drafts_cost and k > 0 and draft_per_token > 0 and draft_fed <= self.max_k + 1:

@@ -48,11 +48,12 @@ class KPolicy(abc.ABC):
         draft_fed: int = 0,
         draft_per_token: float = 0.0,
         overlapped: bool = False,
+        fetch_seconds: float = 0.0,
     ) -> None:
         """A round at K = k took `seconds` of wall time, proposal to verdict, `draft_wait` of them waiting
-        for the draft; its block came from a draft step that fed `draft_fed` tokens and took
-        `draft_per_token` seconds per drafted token (`overlapped`: beside the last step). A no-op by
-        default."""
+        for the draft and `fetch_seconds` for the draft's row at a sampled rejection; its block came
+        from a draft step that fed `draft_fed` tokens and took `draft_per_token` seconds per drafted
+        token (`overlapped`: beside the last step). A no-op by default."""
 
     def probe_due(self) -> bool:
         """Whether this round, at K = 0, should ask the draft for one token beside the target's step,

@@ -5,6 +5,7 @@ target's own decision), and the target's logprobs when asked."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,7 @@ class Checked:
     target_seconds: float
     target_row: torch.Tensor | None = None
     logprobs: list[orchestrator_pb2.TokenLogprob] = field(default_factory=list)
+    fetch_seconds: float = 0.0  # the wait for the draft's row at a sampled rejection (fetched or recomputed)
 
 
 class Verifier:
@@ -136,9 +138,11 @@ class Verifier:
             if isinstance(exc, TargetDisagreement):
                 TARGET_DISAGREEMENTS.inc()
             raise ServiceError(grpc.StatusCode.INTERNAL, f"the target replica sent unusable rows: {exc}") from exc
-        draft_row = None
+        draft_row, fetch_seconds = None, 0.0
         if num_accepted < k:
+            fetch_started = time.perf_counter()
             draft_row = await self.drafter.row(block, num_accepted, side, sequence)
+            fetch_seconds = time.perf_counter() - fetch_started
         uniform = float(uniforms[k])
         verdict = await self.sampler.verdict(
             CompactRound(block.token_ids, num_accepted, target_row, draft_row, uniform)
@@ -147,7 +151,7 @@ class Verifier:
         if self.request.logprobs:
             logprobs = self._wire_logprobs(response, block.token_ids[:num_accepted])
             logprobs.append(entry_from_row(target_row, verdict.output_token_ids[-1], self.request.top_logprobs))
-        return Checked(verdict, target_seconds, target_row, logprobs)
+        return Checked(verdict, target_seconds, target_row, logprobs, fetch_seconds)
 
     def _tree_verdict(self, block: Draft, argmax: list[int]) -> Verdict:
         """Greedy down a token tree: the path of the target's own tokens, and its token after it."""

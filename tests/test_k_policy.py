@@ -87,12 +87,13 @@ def _round_seconds(policy: GoodputK, k: int) -> float:
     assert policy._base is not None and times.draft_per_token is not None
     step = policy._base + times.target.row_seconds * k
     drafting = policy._latency + times.draft_per_token * k
+    fetch = (1 - policy.acceptance_rate**k) * policy._fetch  # the draft's row, in the rounds that reject
     if not k or not policy.overlaps:
-        return step + drafting * (k > 0)
+        return step + drafting * (k > 0) + fetch
     ahead = policy.acceptance_rate ** (k + 1)  # drafted beside the last step: K + 1 tokens beside this one's
     if policy.speculates and policy._ready is not None:
         ahead = policy._ready  # a speculation cache: the share of rounds whose block was ready
-    return step + (1 - ahead) * drafting + ahead * max(drafting + times.draft_per_token - step, 0.0)
+    return step + (1 - ahead) * drafting + ahead * max(drafting + times.draft_per_token - step, 0.0) + fetch
 
 
 def test_alone_it_maximises_tokens_per_second_of_its_rounds():
@@ -180,6 +181,29 @@ def test_the_drafts_wait_is_learnt_from_rounds_that_waited():
     for _ in range(10):
         policy.observe_wall(2, 0.02, draft_wait=0.0, draft_fed=3, draft_per_token=0.002, overlapped=True)
     assert policy._latency == waited
+
+
+def test_a_sampled_rounds_wait_for_the_drafts_row_is_priced_in_the_rounds_that_reject():
+    """The draft's row at a rejection (a RowFetch) is no part of S: a K = 0 round does not fetch. It is
+    f, paid in the 1 - a^K of rounds that reject; where it is dear, a middling draft stops paying."""
+    chosen = []
+    for fetch in (0.0, 0.004, 0.03):
+        policy = GoodputK(2, 4, _times(FLAT))
+        for _ in range(30):
+            k = policy.next_k()
+            policy.observe(_verdict(k // 2, k))
+            rejected = fetch if k else 0.0  # every round at K > 0 rejects (k // 2 of k accepted)
+            wall = 0.02 + 0.002 * k + rejected
+            policy.observe_wall(
+                k, wall, draft_wait=0.002 * k, draft_fed=k, draft_per_token=0.002, fetch_seconds=rejected
+            )
+        assert policy._base is not None and abs(policy._base - 0.02) < 1e-3  # the fetch is no part of S
+        if fetch:
+            assert abs(policy._fetch - fetch) < 1e-9
+        by_hand = [expected_tokens(policy.acceptance_rate, k) / _round_seconds(policy, k) for k in range(5)]
+        assert all(abs(g - h) < 1e-9 * h for g, h in zip(policy.goodputs(), by_hand, strict=True))
+        chosen.append(policy._k)
+    assert chosen[0] > 0 and chosen[-1] == 0, chosen
 
 
 def test_where_rows_cost_the_others_in_its_forward_it_falls_to_k0_and_comes_back():
