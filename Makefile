@@ -10,7 +10,7 @@ PAIR ?= default_models/pair
 PROMPT ?= def fibonacci(n):
 HOST ?= 127.0.0.1
 
-.PHONY: setup proto lint test test-long matrix run bench load-bench compare-bench host-bench link-bench prefix-bench gpu-bench sim-bench speculation-bench tree-bench cross-bench guidellm-bench soak wheel image python-base image-test models evaluate clean
+.PHONY: setup proto lint test test-long matrix run bench load-bench compare-bench host-bench link-bench prefix-bench gpu-bench sim-bench speculation-bench tree-bench cross-bench guidellm-bench soak wheel image python-base image-test models cross-models evaluate clean
 
 setup: $(INSTALLED) $(GENERATED)
 
@@ -110,10 +110,10 @@ speculation-bench: setup
 tree-bench: setup
 	$(PY) -m bench.tree
 
-# A draft with another tokenizer (the default draft over a SentencePiece-style tokenizer of 85% overlap)
-# against the same draft with the target's tokenizer and the target alone, one stream, pinned.
+# A draft with another tokenizer (the shipped demo draft, default_models/cross_draft: TLI, and SLEM for greedy)
+# against the default draft and the target alone, one stream, pinned. Without --draft: the proxy pair.
 cross-bench: setup
-	$(PY) -m bench.cross_pair
+	$(PY) -m bench.cross_pair --draft default_models/cross_draft
 
 # guidellm (the vLLM project's load tool) against the gateway: synthetic prompts with ignore_eos, every request
 # must complete (bench/guidellm.py). guidellm pins its own stack, so it gets a virtual environment of its own.
@@ -150,6 +150,10 @@ image-test: setup
 models: setup
 	$(PY) -m default_models.train --out $(PAIR)
 	$(PY) -m default_models.evaluate --pair $(PAIR)
+
+# Retrain the cross-tokenizer demo draft (a SentencePiece-style tokenizer of its own; about 15 minutes on 2 CPU cores).
+cross-models: setup
+	$(PY) -m default_models.cross_draft --out default_models/cross_draft
 
 evaluate: setup
 	$(PY) -m default_models.evaluate --pair $(PAIR)

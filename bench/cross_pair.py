@@ -3,15 +3,20 @@ with the target's tokenizer, and the target alone, through the services, at one 
 
     python -m bench.cross_pair [--merges 1500] [--prompts 12] [--max-new-tokens 96] [--reps 3]
     python -m bench.cross_pair --streams 8 --policy load_aware --prompts 16   # under load
+    python -m bench.cross_pair --draft default_models/cross_draft               # the trained demo draft
 
-The cross draft is built here, deterministically, from the default pair: the default draft re-expressed
+With `--draft`, the cross draft is that checkpoint (default_models/cross_draft: a draft with a
+tokenizer of its own, trained against the default target by default_models/cross_draft.py). Otherwise
+it is a proxy built here, deterministically, from the default pair: the default draft re-expressed
 over a SentencePiece-style tokenizer (Metaspace, byte fallback) whose pieces are the default
 tokenizer's first `--merges` merged tokens (a smaller vocabulary, as another family's often is), the
 256 byte pieces and specials of its own. Each piece keeps the default draft's rows for those bytes, so
 on a context of shared tokens it is the default draft, restricted; it pays what a draft with another
 tokenizer pays: the target's tokens outside the intersection can never be drafted, and the draft
-sees them spelled in several of its tokens, an input it was never trained on. It is not a draft of
-another family (none ships here: docs/design.md, "Drafts with another tokenizer").
+sees them spelled in several of its tokens, an input it was never trained on.
+
+Greedy waves also run the cross draft under string-level exact match (`--cross-greedy slem`: it drafts
+from its whole vocabulary and its text is re-tokenized for the target), on an orchestrator of its own.
 
 The configurations run interleaved: each repetition runs every wave of `--streams` prompts (at once)
 under each configuration in a rotated order, and a ratio compares a wave with the target alone's
@@ -123,13 +128,15 @@ class Run:
     wave_seconds: float = 0.0
 
 
-CONFIGS = ("target alone", "same tokenizer", "cross tokenizer")
+CONFIGS = ("target alone", "same tokenizer", "cross tokenizer", "cross SLEM")
+GREEDY_ONLY = {"cross SLEM"}  # a sampled request drafts by TLI under --cross-greedy slem too
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pair", type=Path, default=PAIR)
-    parser.add_argument("--merges", type=int, default=1500, help="merged tokens the cross draft's tokenizer keeps")
+    parser.add_argument("--draft", type=Path, help="a trained cross-tokenizer draft (else the proxy is built)")
+    parser.add_argument("--merges", type=int, default=1500, help="the proxy: merged tokens its tokenizer keeps")
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--reps", type=int, default=3)
@@ -140,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
 
-    draft_dir = build_cross_draft(args.pair, args.out / "cross_draft", args.merges)
+    draft_dir = args.draft or build_cross_draft(args.pair, args.out / "cross_draft", args.merges)
     target_tokenizer = AutoTokenizer.from_pretrained(args.pair / "target")
     pair = intersect(target_tokenizer, AutoTokenizer.from_pretrained(draft_dir))
     overlap = check_overlap(pair, target_tokenizer, 0.0)
@@ -150,16 +157,24 @@ def main(argv: list[str] | None = None) -> None:
     target, same_draft = str(args.pair / "target"), str(args.pair / "draft")
     logs = args.out / "cross-logs"
     runs: list[Run] = []
-    with (
-        LocalStack(target, same_draft, cpus=PINNED, log_dir=logs / "same") as same,
-        LocalStack(
+
+    def cross_stack(rule: str) -> LocalStack:
+        return LocalStack(
             target,
             str(draft_dir),
             cpus=PINNED,
-            log_dir=logs / "cross",
+            log_dir=logs / f"cross-{rule}",
             role_args={"draft": ["--target-tokenizer", target]},
-            extra_orchestrator_args=["--draft-tokenizer", str(draft_dir), "--min-vocab-overlap", "0"],
-        ) as cross,
+            extra_orchestrator_args=[
+                *("--draft-tokenizer", str(draft_dir), "--min-vocab-overlap", "0"),
+                *("--cross-greedy", rule),
+            ],
+        )
+
+    with (
+        LocalStack(target, same_draft, cpus=PINNED, log_dir=logs / "same") as same,
+        cross_stack("tli") as cross,
+        cross_stack("slem") as slem,
     ):
         stubs = {
             name: orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(address))
@@ -167,10 +182,11 @@ def main(argv: list[str] | None = None) -> None:
                 ("target alone", same.orchestrator_address),
                 ("same tokenizer", same.orchestrator_address),
                 ("cross tokenizer", cross.orchestrator_address),
+                ("cross SLEM", slem.orchestrator_address),
             )
         }
         for name in CONFIGS:  # warm-up
-            _one(stubs[name], name, modes[0], prompts[0], 0, 0, args, 16)
+            _one(stubs[name], name, "greedy", prompts[0], 0, 0, args, 16)
         waves = [list(range(i, min(i + args.streams, len(prompts)))) for i in range(0, len(prompts), args.streams)]
         with ThreadPoolExecutor(args.streams) as pool:
             for rep in range(args.reps):
@@ -178,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
                     for w, wave in enumerate(waves):
                         for shift in range(len(CONFIGS)):
                             name = CONFIGS[(shift + w + rep) % len(CONFIGS)]
+                            if mode != "greedy" and name in GREEDY_ONLY:
+                                continue
                             started = time.perf_counter()
                             done = list(
                                 pool.map(
@@ -250,7 +268,7 @@ def _report(runs: list[Run], modes: list[str], overlap: float, args: argparse.Na
     policy = f"fixed K = {args.k}" if args.policy == "fixed" else f"load_aware (first K = {args.k})"
     report: dict[str, object] = {
         "overlap": overlap,
-        "merges": args.merges,
+        "draft": str(args.draft) if args.draft else f"proxy of {args.merges} merges",
         "k": args.k,
         "policy": args.policy,
         "streams": args.streams,
@@ -265,6 +283,8 @@ def _report(runs: list[Run], modes: list[str], overlap: float, args: argparse.Na
     for mode in modes:
         for name in CONFIGS:
             mine = {key: group for key, group in waves.items() if key[0] == name and key[1] == mode}
+            if not mine:
+                continue
             ratios = [
                 rate(group) / rate(waves[("target alone", mode, key[2], key[3])])
                 for key, group in mine.items()

@@ -107,8 +107,13 @@ class DraftServicer(
             raise invalid_argument("num_speculative_tokens = 0 returns a row, which greedy steps have none of")
         if not 0.0 <= request.min_confidence <= 1.0:
             raise invalid_argument(f"min_confidence must be in [0, 1]; got {request.min_confidence}")
-        SamplingParams.from_proto(request.sampling)
+        params = SamplingParams.from_proto(request.sampling)
         TokenBan.from_proto(request.ban, self.loaded.vocab_size)
+        if request.whole_vocabulary and not params.greedy:
+            raise invalid_argument(
+                "whole_vocabulary (string-level exact match) serves greedy steps only: a sampled step's q must be "
+                "over the tokens the target shares; drop whole_vocabulary or the sampling"
+            )
         if request.tree_budget:
             self._check_tree(request)
 
@@ -171,7 +176,7 @@ class DraftServicer(
             ban=TokenBan.from_proto(request.ban, self.loaded.vocab_size),
             position=request.keep + len(request.append_token_ids),
             vocab_limit=request.vocab_limit,
-            shared=self.shared,
+            shared=None if request.whole_vocabulary else self.shared,
         )
         cache = self.speculation
         if cache is not None and (guessing or _speculates(request)):

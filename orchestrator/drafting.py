@@ -90,8 +90,15 @@ class Drafter:
             )
             response = stepped.response
             token_ids = list(response.draft_token_ids)
-            if self.limits.translation is not None and token_ids:
-                token_ids = self.limits.translation.target_ids(token_ids)
+            translation = self.limits.translation
+            if translation is not None and token_ids:
+                if self.fields.string_match:  # SLEM: the text re-tokenized, as many tokens as K allows
+                    token_ids = translation.retokenized(token_ids)[:k]
+                    if not token_ids:  # no whole character drafted: this round verifies nothing drafted
+                        self.stats.draft_seconds += response.timing.forward_seconds
+                        return NO_DRAFT
+                else:
+                    token_ids = translation.target_ids(token_ids)
             probs = None if self.request.sampling.greedy else list(response.draft_token_probs)
             if not 1 <= len(token_ids) <= k:
                 raise WireFormatError(f"draft returned {len(token_ids)} tokens for k = {k}")

@@ -71,6 +71,9 @@ class StepFields:
         self.limits = limits
         self.sampling = request.sampling.to_proto()  # the same for every round
         self.constraint = constraint_fields  # sent on a session's first step (keep = 0)
+        # A greedy request with a draft of another tokenizer under SLEM: drafts from its whole vocabulary.
+        translation = limits.translation
+        self.string_match = translation is not None and translation.string_match and request.sampling.greedy
 
     def draft(
         self, context: Context, keep: int, k: int, ahead_k: tuple[int, int] = (0, 0), tree: bool = False
@@ -102,6 +105,7 @@ class StepFields:
             vocab_limit=(
                 limits.vocab_size if limits.translation is None and limits.draft_vocab_size > limits.vocab_size else 0
             ),
+            whole_vocabulary=self.string_match,
         )
 
     def ban(self, first_position: int, width: int) -> dict[str, Any]:

@@ -162,7 +162,7 @@ def translation_for(target: PreTrainedTokenizerBase, config: OrchestratorConfig)
     --min-vocab-overlap and logged. Raises PairMismatch naming both tokenizers."""
     draft = AutoTokenizer.from_pretrained(config.draft_tokenizer)
     try:
-        translation = Translation(target, draft)
+        translation = Translation(target, draft, string_match=config.cross_greedy == "slem")
         overlap = check_overlap(translation.pair, target, config.min_vocab_overlap)
     except VocabularyError as exc:
         raise PairMismatch(str(exc)) from None
@@ -172,6 +172,7 @@ def translation_for(target: PreTrainedTokenizerBase, config: OrchestratorConfig)
         shared_tokens=len(translation.to_target),
         overlap=round(overlap, 4),
         overlap_floor=config.min_vocab_overlap,
+        greedy_rule=config.cross_greedy,
     )
     return translation
 

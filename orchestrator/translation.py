@@ -12,6 +12,11 @@ services and lossless at any temperature (docs/design.md, "Drafts with another t
   draft prefix, and a rollback to a target position is a rollback to that prefix in draft ids: a split
   token is kept or dropped whole.
 
+Greedy requests may instead draft by string-level exact match (SLEM, `--cross-greedy slem`): the
+draft drafts from its whole vocabulary, its block's text is re-tokenized by the target's tokenizer
+(`retokenized`), and the target keeps the tokens it would have produced, as for any greedy block.
+Any proposal is exact under greedy verification; the re-tokenization only decides how many agree.
+
 The spelling is not the draft tokenizer's own tokenization of the text (that would re-tokenize an
 unstable tail at every round): a target token the draft does not share becomes the draft's longest
 tokens for its bytes, which its own tokenizer might have merged differently with its neighbours. That
@@ -32,9 +37,14 @@ from serving.vocab_map import VocabMap, ids_by_bytes, intersect, token_bytes
 class Translation:
     """The pair's map between id spaces: built once at start, shared by every request."""
 
-    def __init__(self, target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:
+    def __init__(
+        self, target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase, string_match: bool = False
+    ) -> None:
+        self.target, self.draft = target, draft
+        self.string_match = string_match  # greedy requests draft freely (SLEM: `retokenized`)
         target_bytes = token_bytes(target)
-        draft_index = ids_by_bytes(draft)
+        self._draft_bytes = token_bytes(draft)
+        draft_index = ids_by_bytes(draft, self._draft_bytes)
         self.pair: VocabMap = intersect(target, draft, ids_by_bytes(target, target_bytes), draft_index)
         self.draft_fingerprint = tokenizer_fingerprint(draft)
         self.to_target = self.pair.proposable  # draft id -> target id
@@ -84,6 +94,28 @@ class Translation:
                 f"the draft proposed token {exc.args[0]}, which the target's tokenizer does not share "
                 "(is its --target-tokenizer the target's?)"
             ) from None
+
+    def retokenized(self, draft_ids: list[int]) -> list[int]:
+        """SLEM: a block drafted from the draft's whole vocabulary, in the target's ids: its text (up to a
+        special token, less a trailing partial character) encoded by the target's tokenizer, with no
+        special tokens added; the draft's EOS becomes the target's. Empty when no whole character was
+        drafted (the round then verifies nothing drafted)."""
+        data = bytearray()
+        eos = False
+        for token in draft_ids:
+            piece = self._draft_bytes.get(token)
+            if piece is None:  # a special token: the draft's EOS ends the text, any other cuts it
+                eos = token == self.draft.eos_token_id
+                break
+            data += piece
+        try:
+            text = data.decode()
+        except UnicodeDecodeError as exc:
+            text = data[: exc.start].decode()  # a partial character, at the end (or in a byte piece's run)
+        ids = list(self.target.backend_tokenizer.encode(text, add_special_tokens=False).ids) if text else []
+        if eos and self.target.eos_token_id is not None:
+            ids.append(self.target.eos_token_id)
+        return ids
 
     def target_row(self, row: torch.Tensor, width: int) -> torch.Tensor:
         """A draft row of q ([draft vocab]) at the target's width ([width]): each shared token's q at its

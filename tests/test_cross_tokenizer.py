@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
@@ -21,9 +22,9 @@ from orchestrator.translation import DraftContext, Translation
 from orchestrator.upstream import Context
 from serving.tensors import WireFormatError
 from serving.vocab_map import check_overlap, token_bytes
-from specdec.v1 import common_pb2, orchestrator_pb2
-from tests.conftest import collect, hf_greedy, wait_until
-from tests.servers import OrchestratorThread, load, orchestrator_config, start_draft, start_target
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2
+from tests.conftest import RawSession, StepFailed, collect, hf_greedy, wait_until
+from tests.servers import LOOPBACK, OrchestratorThread, load, orchestrator_config, start_draft, start_target
 from tests.test_sampling_exactness import first_token_request, first_tokens_pvalue, target_first_token_probs
 from tests.tiny_models import byte_level_bpe, save, sentencepiece_from, tiny_llama
 
@@ -89,7 +90,9 @@ def cross(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CrossPair]:
     target = load(target_path)
     target_server = start_target(target)
     draft_server = start_draft(load(draft_path), target_tokenizer=str(target_path))
-    orchestrator = OrchestratorThread(orchestrator_config(target_server, draft_server, draft_tokenizer=str(draft_path)))
+    orchestrator = OrchestratorThread(
+        orchestrator_config(target_server, draft_server, draft_tokenizer=str(draft_path), cross_greedy="tli")
+    )
     yield CrossPair(
         target_tokenizer,
         draft_tokenizer,
@@ -265,3 +268,78 @@ def test_a_constrained_request_drafts_unconstrained_and_keeps_the_targets_output
     alone, _ = run(0)
     tokens, last = run(4)
     assert tokens == alone and last.stats.draft_tokens and last.stats.draft_fallback_rounds == 0
+
+
+def test_a_freely_drafted_block_is_re_tokenized_by_the_targets_tokenizer(cross):
+    """SLEM's map: the drafted text in the target's tokens, as the target's tokenizer writes it; a
+    trailing partial character is left out, the draft's EOS is the target's, another special cuts."""
+    translation, draft = cross.translation, cross.draft_tokenizer
+    text = " return self._parse(args)\n"
+    expected = cross.target_tokenizer(text, add_special_tokens=False)["input_ids"]
+    drafted = [d for t in expected for d in translation.spell(t)]  # the text in draft pieces, some unshared
+    assert len(drafted) > len(expected) and translation.retokenized(drafted) == expected
+    target = cross.target_tokenizer
+    accented = [d for t in target(" café", add_special_tokens=False)["input_ids"] for d in translation.spell(t)]
+    assert translation.retokenized(accented[:-1]) == target(" caf", add_special_tokens=False)["input_ids"]  # é cut
+    eos = target.eos_token_id
+    assert translation.retokenized([*drafted, draft.eos_token_id, *drafted]) == [*expected, eos]
+    assert translation.retokenized([draft.bos_token_id, *drafted]) == []
+
+
+def _draft_step(prompt: list[int], whole_vocabulary: bool, temperature: float = 0.0) -> draft_pb2.DraftRequest:
+    return draft_pb2.DraftRequest(
+        request_id="slem",
+        append_token_ids=prompt,
+        num_speculative_tokens=6,
+        sampling=common_pb2.SamplingParams(temperature=temperature),
+        whole_vocabulary=whole_vocabulary,
+    )
+
+
+def test_a_whole_vocabulary_step_drafts_the_drafts_own_tokens_greedy_only(cross):
+    """The draft's own tokens win often on the test pair; the mask keeps them out of a TLI step, and a
+    whole_vocabulary step (SLEM) proposes them. A sampled step cannot ask for it: q must stay over the
+    shared tokens."""
+    shared = cross.translation.to_target
+    own = {True: 0, False: 0}
+    with grpc.insecure_channel(f"{LOOPBACK}:{cross.draft_server.port}") as channel:
+        stub = draft_pb2_grpc.DraftServiceStub(channel)
+        for seed in range(4):
+            prompt = [d for t in shared_prompt(cross, seed) for d in cross.translation.spell(t)]
+            for whole in (True, False):
+                session = RawSession(stub.Draft)
+                drafted = session.step(_draft_step(prompt, whole)).draft_token_ids
+                own[whole] += sum(d not in shared for d in drafted)
+                session.close()
+        session = RawSession(stub.Draft)
+        with pytest.raises(StepFailed, match="greedy steps only") as failed:
+            session.step(_draft_step([1, 2, 3], True, temperature=0.8))
+        assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        session.close()
+    assert own[False] == 0 and own[True] > 0, own
+
+
+def test_string_level_exact_match_is_greedy_identical_to_the_target_at_8_streams(cross):
+    """--cross-greedy slem: the draft drafts from its whole vocabulary, its text is re-tokenized for the
+    target, and the outputs are the target alone's; sampled requests on the same orchestrator stay TLI."""
+    config = orchestrator_config(
+        cross.target_server, cross.draft_server, draft_tokenizer=str(cross.draft_path), cross_greedy="slem"
+    )
+    orchestrator = OrchestratorThread(config)
+    try:
+        prompts = [cross.target_tokenizer.encode(text) for text in TEXTS]
+        prompts += [shared_prompt(cross, seed) for seed in range(4)]
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda p: collect(orchestrator.stub, greedy_request(p)), prompts))
+        drafted = accepted = 0
+        for prompt, (tokens, _, last) in zip(prompts, results, strict=True):
+            assert tokens == hf_greedy(cross.target, prompt, TOKENS)
+            assert last.stats.draft_fallback_rounds == 0
+            drafted += last.stats.draft_tokens
+            accepted += last.stats.accepted_tokens
+        assert drafted and accepted, (accepted, drafted)
+        prompt = shared_prompt(cross, 0)
+        tokens, _, last = collect(orchestrator.stub, first_token_request(prompt, 7, overlap_drafting=False))
+        assert last.stats.draft_tokens and last.stats.draft_fallback_rounds == 0  # a sampled round: TLI
+    finally:
+        orchestrator.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from serving.vocab import tokenizer_fingerprint
@@ -55,6 +56,40 @@ def test_short_generation_through_the_services():
         assert target_model.tokenizer is not None
         prompt_ids = target_model.tokenizer(prompt)["input_ids"]
         assert ids == hf_greedy(target_model, prompt_ids, 24)
+    finally:
+        orchestrator.stop()
+        target.stop()
+        draft.stop()
+
+
+CROSS = PAIR.parent / "cross_draft"
+
+
+def test_the_cross_tokenizer_demo_draft_is_committed_small_and_of_another_tokenizer():
+    names = {p.name for p in CROSS.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md", "training.json"} <= names, names
+    assert sum(p.stat().st_size for p in CROSS.rglob("*") if p.is_file()) <= 10 * 1024 * 1024
+    target, draft = AutoTokenizer.from_pretrained(PAIR / "target"), AutoTokenizer.from_pretrained(CROSS)
+    assert tokenizer_fingerprint(target) != tokenizer_fingerprint(draft)
+    vocab = draft.get_vocab()
+    assert "<0x0A>" in vocab and sum(piece.startswith("\u2581") for piece in vocab) > 500  # SentencePiece-style
+
+
+@pytest.mark.parametrize("rule", ["tli", "slem"])
+def test_the_cross_tokenizer_demo_draft_serves_the_default_target_exactly(rule):
+    """The shipped draft with its own tokenizer against the default target: the pair check passes (the
+    overlap is above the default floor), and greedy outputs are the target alone's, by either rule."""
+    target_model, draft_model = load(PAIR / "target"), load(CROSS)
+    target = start_target(target_model)
+    draft = start_draft(draft_model, target_tokenizer=str(PAIR / "target"))
+    orchestrator = OrchestratorThread(orchestrator_config(target, draft, draft_tokenizer=str(CROSS), cross_greedy=rule))
+    try:
+        prompt = "def is_even(n):"
+        request = orchestrator_pb2.GenerateRequest(text=prompt, max_new_tokens=32, num_speculative_tokens=4)
+        ids, _, last = collect(orchestrator.stub, request)
+        assert last.stats.draft_tokens > 0 and last.stats.accepted_tokens > 0
+        assert target_model.tokenizer is not None
+        assert ids == hf_greedy(target_model, target_model.tokenizer(prompt)["input_ids"], 32)
     finally:
         orchestrator.stop()
         target.stop()

@@ -9,9 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from default_models import cross_draft as cross_recipe
 from default_models import train as recipe
 from default_models.corpus import Corpus
 from default_models.train import ModelShape, TrainConfig, build_model, grow, target_generations, train_tokenizer
+from orchestrator.translation import Translation
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "class Point:\n    x: int = 0\n    y: int = 0\n"] * 20
 
@@ -108,3 +110,30 @@ def test_a_run_stopped_mid_recipe_leaves_a_whole_pair_that_resume_finishes(tmp_p
     }
     with pytest.raises(SystemExit, match="nothing to resume"):
         recipe.train(cfg, out, resume=out)
+
+
+def test_the_cross_drafts_tokenizer_is_sentencepiece_style_and_its_pieces_start_from_the_targets_rows(tiny):
+    """default_models/cross_draft.py: a Llama 2 layout (specials, 256 byte pieces, ▁ for spaces) that the
+    vocabulary map reads by bytes; the text the draft learns on is spelled as the orchestrator spells
+    it; each piece's embedding starts as the mean of the source's rows for the target tokens of its bytes."""
+    cfg, target_tokenizer, model = tiny
+    draft_tokenizer = cross_recipe.train_tokenizer(TEXTS, cross_recipe.CrossConfig(vocab_size=330, limit_alphabet=40))
+    assert draft_tokenizer.convert_ids_to_tokens([0, 1, 2, 3, 258]) == ["<unk>", "<s>", "</s>", "<0x00>", "<0xFF>"]
+    text = "def add(a, b):\n    return a + b  # é\n"
+    ids = draft_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert draft_tokenizer.decode(ids) == text
+    assert "<0xC3>" in draft_tokenizer.convert_ids_to_tokens(ids)  # é, a character it has no piece for
+    translation = Translation(target_tokenizer, draft_tokenizer)
+    assert translation.to_target  # they share pieces, by bytes (▁ is a space)
+    stream = torch.tensor([*target_tokenizer(text)["input_ids"], target_tokenizer.eos_token_id])
+    spelled = cross_recipe.spelled(stream, translation, target_tokenizer.eos_token_id).tolist()
+    assert spelled[-1] == draft_tokenizer.eos_token_id
+    assert draft_tokenizer.decode(spelled[:-1]) == text
+    draft = build_model(cfg.target, cfg, draft_tokenizer)
+    cross_recipe.init_from(draft, model, translation)
+    rows, source = draft.get_input_embeddings().weight, model.get_input_embeddings().weight
+    for draft_id, target_id in list(translation.to_target.items())[:20]:
+        assert torch.equal(rows[draft_id], source[target_id])  # a shared piece: its one target token's row
+    assert torch.equal(rows[draft_tokenizer.eos_token_id], source[target_tokenizer.eos_token_id])
+    for mine, theirs in zip(draft.model.layers, model.model.layers, strict=True):
+        assert torch.equal(mine.mlp.up_proj.weight, theirs.mlp.up_proj.weight)
