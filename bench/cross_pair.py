@@ -37,18 +37,18 @@ from pathlib import Path
 
 import grpc
 import torch
-from tokenizers import Tokenizer, decoders, models, normalizers
+from tokenizers import Tokenizer, models
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from bench.load import PINNED
 from bench.runs import sampling_fields
+from default_models.cross_draft import METASPACE, sentencepiece_layout
 from default_models.prompts import held_out_prompts
 from serving.vocab_map import check_overlap, intersect, token_bytes
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from tools.client import generate
 from tools.local_stack import LocalStack
 
-METASPACE = "\u2581"
 PAIR = Path(__file__).resolve().parents[1] / "default_models" / "pair"
 
 
@@ -68,10 +68,7 @@ def sentencepiece_tokenizer(byte_level: PreTrainedTokenizerFast, keep: Iterable[
             pieces.append((text.replace(" ", METASPACE), -float(len(pieces))))
     pieces += [(f"{METASPACE}zzyzx", -1.0), ("e", -1.0)]
     model = Tokenizer(models.Unigram(pieces, unk_id=0, byte_fallback=True))
-    model.normalizer = normalizers.Sequence([normalizers.Prepend(METASPACE), normalizers.Replace(" ", METASPACE)])
-    model.decoder = decoders.Sequence(
-        [decoders.Replace(METASPACE, " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
+    sentencepiece_layout(model)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     tokenizer.add_tokens(["zzyzx"])  # an added token: never shared
     return tokenizer

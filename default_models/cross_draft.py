@@ -26,6 +26,7 @@ so OUT is never half-written.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -53,7 +54,7 @@ from default_models.train import (
     target_generations,
 )
 from orchestrator.translation import Translation
-from serving.vocab_map import check_overlap, ids_by_bytes, token_bytes
+from serving.vocab_map import check_overlap, ids_by_bytes, spell_longest, token_bytes
 
 METASPACE = "\u2581"
 SPECIALS = ("<unk>", "<s>", "</s>")
@@ -73,13 +74,22 @@ class CrossConfig:
     threads: int = 2
 
 
+def sentencepiece_layout(model: Tokenizer) -> None:
+    """Llama 2's normalizer and decoder on `model`, whose pieces write spaces as ▁ and bytes it has no
+    piece for as `<0xNN>`: ▁ is prepended and stands for every space; decoding reads them back."""
+    model.normalizer = normalizers.Sequence([normalizers.Prepend(METASPACE), normalizers.Replace(" ", METASPACE)])
+    model.decoder = decoders.Sequence(
+        [decoders.Replace(METASPACE, " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+
+
 def train_tokenizer(texts: list[str], cfg: CrossConfig) -> PreTrainedTokenizerFast:
     """SentencePiece-style BPE with byte fallback, in Llama 2's layout (see the module's docstring)."""
-    normalizer = normalizers.Sequence([normalizers.Prepend(METASPACE), normalizers.Replace(" ", METASPACE)])
     # A piece is a run of ▁, or ▁s and what follows up to the next ▁ or line break, or line breaks.
     splitter = pre_tokenizers.Split(Regex(f"{METASPACE}*[^{METASPACE}\n]+|{METASPACE}+|\n+"), behavior="isolated")
     learner = Tokenizer(models.BPE())
-    learner.normalizer, learner.pre_tokenizer = normalizer, splitter
+    sentencepiece_layout(learner)
+    learner.pre_tokenizer = splitter
     learner.train_from_iterator(
         texts,
         trainers.BpeTrainer(
@@ -95,10 +105,8 @@ def train_tokenizer(texts: list[str], cfg: CrossConfig) -> PreTrainedTokenizerFa
         (m.split(" ", 1)[0], m.split(" ", 1)[1]) if isinstance(m, str) else (m[0], m[1]) for m in learnt["merges"]
     ]
     model = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    model.normalizer, model.pre_tokenizer = normalizer, splitter
-    model.decoder = decoders.Sequence(
-        [decoders.Replace(METASPACE, " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
+    sentencepiece_layout(model)
+    model.pre_tokenizer = splitter
     return PreTrainedTokenizerFast(
         tokenizer_object=model,
         unk_token="<unk>",
@@ -119,35 +127,16 @@ def init_from(draft: LlamaForCausalLM, source: LlamaForCausalLM, translation: Tr
         draft_layer.load_state_dict(source_layer.state_dict())
     target_rows = source.get_input_embeddings().weight.detach()
     rows = target_rows.mean(dim=0).repeat(draft.config.vocab_size, 1)
-    target_index = ids_by_bytes_longest(translation)
+    target_index = ids_by_bytes(translation.target)
+    longest = max(map(len, target_index))
     for draft_id, data in token_bytes(translation.draft).items():
-        ids = target_index(data)
+        ids = spell_longest(data, target_index, longest)
         if ids:
             rows[draft_id] = target_rows[ids].mean(dim=0)
     eos = source.config.eos_token_id
     rows[translation.draft.eos_token_id] = rows[translation.draft.bos_token_id] = target_rows[eos]
     with torch.no_grad():
         draft.get_input_embeddings().weight.copy_(rows)
-
-
-def ids_by_bytes_longest(translation: Translation) -> Any:
-    """bytes -> the target's longest tokens that spell them, left to right."""
-    index = ids_by_bytes(translation.target)
-    longest = max(map(len, index))
-
-    def spell(data: bytes) -> list[int]:
-        ids, start = [], 0
-        while start < len(data):
-            for end in range(min(len(data), start + longest), start, -1):
-                if data[start:end] in index:
-                    ids.append(index[data[start:end]])
-                    start = end
-                    break
-            else:
-                start += 1
-        return ids
-
-    return spell
 
 
 def spelled(stream: torch.Tensor, translation: Translation, target_eos: int) -> torch.Tensor:
@@ -184,7 +173,7 @@ def train(cfg: CrossConfig, pair: Path, out: Path) -> dict[str, Any]:
     draft = build_model(shape.draft, shape, tokenizer)
     source = target if cfg.init == "target" else LlamaForCausalLM.from_pretrained(pair / "draft", dtype=torch.float32)
     init_from(draft, source, translation)
-    half = TrainConfig(batch_size=shape.batch_size // 2, seq_len=shape.seq_len, warmup_steps=shape.warmup_steps)
+    half = dataclasses.replace(shape, batch_size=shape.batch_size // 2)
     losses = _optimise(
         draft,
         cfg.steps,

@@ -180,7 +180,7 @@ class GoodputK(KPolicy):
         self._accepted, self._trials = PRIOR_ACCEPTANCE, 1.0
         self._base: float | None = None  # S: a round's seconds beyond its own rows and draft wait
         self._latency = 0.0  # w: what a speculating round waits for the draft beyond its forwards
-        self._fetch = 0.0  # f: what a sampled round waits for the draft's row at a rejection
+        self._fetch: float | None = None  # f: what a sampled round waits for the draft's row at a rejection
         self._k = min(initial_k, max_k)  # the last choice
         self._whole = False  # the last block was accepted whole
         self._rounds_without_draft = 0
@@ -212,7 +212,7 @@ class GoodputK(KPolicy):
 
         # Each K's expected tokens from the last's (E(K) = E(K - 1) + a^K): this runs every round of every
         # request, and at 32 streams its cost showed in the orchestrator's CPU.
-        base, wait, fetch = max(base, 1e-6), self._latency, self._fetch
+        base, wait, fetch = max(base, 1e-6), self._latency, self._fetch or 0.0
         ready = self._ready if self.speculates else None
         tokens, seconds, power = [1.0], [base], 1.0
         for k in range(1, (self.max_k if upto is None else max(upto, self._k)) + 1):
@@ -296,7 +296,7 @@ class GoodputK(KPolicy):
         after lookup rounds, or on a reopened session): its time is this request's own, no price."""
         base = max(seconds - draft_wait - fetch_seconds - self.times.target.row_seconds * k, 0.0)
         if fetch_seconds > 0:
-            self._fetch = _ewma(self._fetch if self._fetch else None, fetch_seconds)
+            self._fetch = _ewma(self._fetch, fetch_seconds)
         self._base = _ewma(self._base, base)
         self.times.observe_base(base)
         if self.drafts_cost and k > 0 and draft_per_token > 0 and draft_fed <= self.max_k + 1:

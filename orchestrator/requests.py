@@ -60,6 +60,7 @@ class ModelLimits:
     draft_constrains: bool = False  # the draft applies structured outputs (ModelInfo.structured_output_kinds)
     draft_speculates: bool = False  # the draft has a speculation cache (ModelInfo.speculation_cache_tokens)
     translation: Translation | None = None  # a draft with another tokenizer (orchestrator/translation.py)
+    string_match: bool = False  # with `translation`: greedy requests draft by SLEM (--cross-greedy slem)
     trees: bool = False  # both services run the batched forward, which scores tree rows (ModelInfo.batched)
 
 
@@ -72,8 +73,7 @@ class StepFields:
         self.sampling = request.sampling.to_proto()  # the same for every round
         self.constraint = constraint_fields  # sent on a session's first step (keep = 0)
         # A greedy request with a draft of another tokenizer under SLEM: drafts from its whole vocabulary.
-        translation = limits.translation
-        self.string_match = translation is not None and translation.string_match and request.sampling.greedy
+        self.string_match = limits.string_match and request.sampling.greedy
 
     def draft(
         self, context: Context, keep: int, k: int, ahead_k: tuple[int, int] = (0, 0), tree: bool = False

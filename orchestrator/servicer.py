@@ -162,7 +162,7 @@ def translation_for(target: PreTrainedTokenizerBase, config: OrchestratorConfig)
     --min-vocab-overlap and logged. Raises PairMismatch naming both tokenizers."""
     draft = AutoTokenizer.from_pretrained(config.draft_tokenizer)
     try:
-        translation = Translation(target, draft, string_match=config.cross_greedy == "slem")
+        translation = Translation(target, draft)
         overlap = check_overlap(translation.pair, target, config.min_vocab_overlap)
     except VocabularyError as exc:
         raise PairMismatch(str(exc)) from None
@@ -530,6 +530,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             draft_vocab_size=draft.vocab_size if draft else 0,
             draft_speculates=bool(draft and draft.speculation_cache_tokens and same_ids),
             translation=translation,
+            string_match=translation is not None and self.config.cross_greedy == "slem",
             trees=bool(draft and draft.batched and self.target_info.batched and same_ids),
         )
 

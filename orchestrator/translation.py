@@ -31,17 +31,14 @@ from transformers import PreTrainedTokenizerBase
 from orchestrator.upstream import Context
 from serving.tensors import WireFormatError
 from serving.vocab import tokenizer_fingerprint
-from serving.vocab_map import VocabMap, ids_by_bytes, intersect, token_bytes
+from serving.vocab_map import VocabMap, ids_by_bytes, intersect, spell_longest, token_bytes
 
 
 class Translation:
     """The pair's map between id spaces: built once at start, shared by every request."""
 
-    def __init__(
-        self, target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase, string_match: bool = False
-    ) -> None:
+    def __init__(self, target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:
         self.target, self.draft = target, draft
-        self.string_match = string_match  # greedy requests draft freely (SLEM: `retokenized`)
         target_bytes = token_bytes(target)
         self._draft_bytes = token_bytes(draft)
         draft_index = ids_by_bytes(draft, self._draft_bytes)
@@ -67,23 +64,9 @@ class Translation:
         left to right (a byte no draft token holds is left out)."""
         spelled = self._spellings.get(token)
         if spelled is None:
-            spelled = self._spell_bytes(self._target_bytes.get(token, b""))
+            spelled = tuple(spell_longest(self._target_bytes.get(token, b""), self._draft_index, self._longest))
             self._spellings[token] = spelled
         return spelled
-
-    def _spell_bytes(self, data: bytes) -> tuple[int, ...]:
-        ids: list[int] = []
-        start = 0
-        while start < len(data):
-            for end in range(min(len(data), start + self._longest), start, -1):
-                token = self._draft_index.get(data[start:end])
-                if token is not None:
-                    ids.append(token)
-                    start = end
-                    break
-            else:
-                start += 1
-        return tuple(ids)
 
     def target_ids(self, draft_ids: list[int]) -> list[int]:
         """A drafted block in target ids; WireFormatError for a token the draft should not have proposed."""
@@ -97,14 +80,14 @@ class Translation:
 
     def retokenized(self, draft_ids: list[int]) -> list[int]:
         """SLEM: a block drafted from the draft's whole vocabulary, in the target's ids: its text (up to a
-        special token, less a trailing partial character) encoded by the target's tokenizer, with no
+        special or added token, less a trailing partial character) encoded by the target's tokenizer, with no
         special tokens added; the draft's EOS becomes the target's. Empty when no whole character was
         drafted (the round then verifies nothing drafted)."""
         data = bytearray()
         eos = False
         for token in draft_ids:
             piece = self._draft_bytes.get(token)
-            if piece is None:  # a special token: the draft's EOS ends the text, any other cuts it
+            if piece is None:  # a special or added token: the draft's EOS ends the text, any other cuts it
                 eos = token == self.draft.eos_token_id
                 break
             data += piece

@@ -154,6 +154,23 @@ def ids_by_bytes(tokenizer: PreTrainedTokenizerBase, table: dict[int, bytes] | N
     return index
 
 
+def spell_longest(data: bytes, index: dict[bytes, int], longest: int) -> list[int]:
+    """`data` in the ids of `index` (bytes -> id, its longest key `longest` bytes): the longest token at
+    each point, left to right; a byte no token holds is left out."""
+    ids: list[int] = []
+    start = 0
+    while start < len(data):
+        for end in range(min(len(data), start + longest), start, -1):
+            token = index.get(data[start:end])
+            if token is not None:
+                ids.append(token)
+                start = end
+                break
+        else:
+            start += 1
+    return ids
+
+
 def intersect(
     target: PreTrainedTokenizerBase,
     draft: PreTrainedTokenizerBase,

@@ -87,7 +87,7 @@ def _round_seconds(policy: GoodputK, k: int) -> float:
     assert policy._base is not None and times.draft_per_token is not None
     step = policy._base + times.target.row_seconds * k
     drafting = policy._latency + times.draft_per_token * k
-    fetch = (1 - policy.acceptance_rate**k) * policy._fetch  # the draft's row, in the rounds that reject
+    fetch = (1 - policy.acceptance_rate**k) * (policy._fetch or 0.0)  # the draft's row, in the rounds that reject
     if not k or not policy.overlaps:
         return step + drafting * (k > 0) + fetch
     ahead = policy.acceptance_rate ** (k + 1)  # drafted beside the last step: K + 1 tokens beside this one's
@@ -199,7 +199,9 @@ def test_a_sampled_rounds_wait_for_the_drafts_row_is_priced_in_the_rounds_that_r
             )
         assert policy._base is not None and abs(policy._base - 0.02) < 1e-3  # the fetch is no part of S
         if fetch:
-            assert abs(policy._fetch - fetch) < 1e-9
+            assert policy._fetch is not None and abs(policy._fetch - fetch) < 1e-9
+        else:
+            assert policy._fetch is None  # no round fetched: f is unknown, and priced at 0
         by_hand = [expected_tokens(policy.acceptance_rate, k) / _round_seconds(policy, k) for k in range(5)]
         assert all(abs(g - h) < 1e-9 * h for g, h in zip(policy.goodputs(), by_hand, strict=True))
         chosen.append(policy._k)
