@@ -25,14 +25,30 @@ PROFILE_PREFIX_TOKENS = 32
 _ROUNDS = 5
 
 
+def profile_shapes(
+    device: str, role: str, max_batch_size: int, max_speculative_tokens: int
+) -> tuple[list[int], tuple[int, ...]]:
+    """The batch sizes and widths the curve times. A draft step feeds one token a forward; a verify
+    feeds K + 1. On the CPU, 1 to 32 rows of 1, 3 and 5 tokens: its curve is about a line there
+    (docs/design.md, "What a row costs"), and wider shapes would cost start-up time only. On an
+    accelerator the curve is flat until its ridge point (about 300 tokens a forward for an 8B model on
+    an H100), past what 32 rows of 5 reach: it is timed out to the largest batch of the largest verify,
+    so that load_aware sees where rows start to cost."""
+    accelerator = device != "cpu"
+    most = max_batch_size if accelerator else min(max_batch_size, 32)
+    batch_sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= most} | {most})
+    if role == "draft":
+        return batch_sizes, (1,)
+    return batch_sizes, tuple(sorted({1, 3, 5, max_speculative_tokens + 1})) if accelerator else (1, 3, 5)
+
+
 @torch.inference_mode()
 def forward_costs(
-    forward: Forward, vocab_size: int, max_batch_size: int, widths: tuple[int, ...]
+    forward: Forward, vocab_size: int, batch_sizes: list[int], widths: tuple[int, ...]
 ) -> list[tuple[int, float]]:
     """[(batch_tokens, seconds)] sorted by batch_tokens: each shape's fastest forward of `_ROUNDS`
     (the median over shapes that feed as many tokens)."""
     generator = torch.Generator().manual_seed(0)
-    batch_sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= max_batch_size]
     prefix = torch.randint(0, vocab_size, (PROFILE_PREFIX_TOKENS,), generator=generator).tolist()
     forward([Row(slot, 0, prefix, 1) for slot in range(batch_sizes[-1])])
     # The first calls of a shape (allocation, kernel choice) fall in the first round, which the fastest

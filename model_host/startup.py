@@ -18,7 +18,7 @@ from model_host.kv_blocks import BlockStore, blocks_for
 from model_host.kv_memory import PoolSize, pool_size
 from model_host.loading import LoadedModel
 from model_host.metrics import SIMULATED_DEVICE
-from model_host.profile import PROFILE_PREFIX_TOKENS, forward_costs, modeled_costs, overhead_tokens
+from model_host.profile import PROFILE_PREFIX_TOKENS, forward_costs, modeled_costs, overhead_tokens, profile_shapes
 from model_host.simulated import SimulatedForward, profile_named, simulate
 
 log = structlog.get_logger(__name__)
@@ -34,7 +34,7 @@ def open_block_store(loaded: LoadedModel, config: ModelServiceConfig, role: str)
         loaded.input_device,
         loaded.dtype,
         loaded.max_context,
-        max(pool.tokens, _startup_tokens(loaded, config)),
+        max(pool.tokens, _startup_tokens(loaded, config, role)),
         config.kv_block_tokens,
         config.prefix_caching,
         role,
@@ -44,13 +44,14 @@ def open_block_store(loaded: LoadedModel, config: ModelServiceConfig, role: str)
     return store, pool
 
 
-def _startup_tokens(loaded: LoadedModel, config: ModelServiceConfig) -> int:
+def _startup_tokens(loaded: LoadedModel, config: ModelServiceConfig, role: str) -> int:
     """What the start-up check and the forward-cost profile cache at once, in whole blocks: the store
     holds at least that, whatever the budget (admission still keeps to the budget)."""
     span = config.kv_block_tokens
     layout = AttentionLayout.of(loaded.model.config)
     check = check_lengths(layout, loaded.max_context, config.prefill_chunk_tokens)
-    profile = [PROFILE_PREFIX_TOKENS + 5] * config.max_batch_size
+    batch_sizes, widths = profile_shapes(config.device, role, config.max_batch_size, config.max_speculative_tokens)
+    profile = [PROFILE_PREFIX_TOKENS + max(widths)] * batch_sizes[-1]
     return max(sum(blocks_for(n, span) for n in lengths) for lengths in (check, profile)) * span
 
 
@@ -83,11 +84,11 @@ def start_engine(
         max_queue_wait_s=config.max_queue_wait_s,
         batch_hold_fraction=config.batch_hold_fraction,
     )
-    widths = (1,) if role == "draft" else (1, 3, 5)  # a draft step feeds one token per forward
     if isinstance(forward, SimulatedForward):  # the modeled clock's own curve, to the largest verify
         costs = modeled_costs(forward, config.max_batch_size, config.max_speculative_tokens)
     else:
-        costs = forward_costs(forward, loaded.vocab_size, config.max_batch_size, widths)
+        batch_sizes, widths = profile_shapes(config.device, role, config.max_batch_size, config.max_speculative_tokens)
+        costs = forward_costs(forward, loaded.vocab_size, batch_sizes, widths)
     overhead = overhead_tokens(costs, DEFAULT_OVERHEAD_TOKENS)
     log.info("engine_forward_overhead", tokens=round(overhead, 1), role=role)
     return Engine(forward, limits, role, overhead), costs

@@ -13,7 +13,8 @@ sessions sharing its forwards (the marginal goodput of TurboSpec and SmartSpec):
   draft's row at a rejection (a RowFetch, measured per request; 0 for greedy), paid in the 1 - a^K
   of rounds that reject (about 1 ms a fetch on this CPU, pinned, one stream; counted in S, it priced
   a round at K = 0 as if it fetched too); beta is what one more row adds to a target forward (the
-  service's start-up curve, scaled by live forwards against it); D(K) = w + d K is the round's wait
+  service's start-up curve fitted by one line or two joined at a knee, `CostCurve`, its chord at the
+  live forward's tokens, scaled by live forwards against the fit); D(K) = w + d K is the round's wait
   for a block drafted now, where d is what the draft's forwards take per drafted token (hidden beside
   a verify or not, they take the cores or the device the draft shares) and w what the request's
   rounds wait for the draft beyond its forwards (the RPC and queue on its path, measured per request
@@ -50,8 +51,7 @@ propose): K comes back when the draft agrees again.
 
 from __future__ import annotations
 
-import statistics
-
+from orchestrator.cost_curve import CostCurve
 from orchestrator.k_policy import CostModelK, FixedK, HeuristicK, KPolicy
 from orchestrator.rejection import Verdict
 from specdec.v1 import common_pb2
@@ -77,25 +77,24 @@ def _ewma(old: float | None, new: float) -> float:
 
 
 class Forwards:
-    """One service's forward: the least-squares line of its start-up curve (seconds by tokens fed),
-    scaled by live forwards against what that line predicts for them, and how many sessions wait on
+    """One service's forward: its start-up curve, fitted (`CostCurve`), scaled by live forwards against
+    what the fit predicts for them; the tokens a live forward feeds, and how many sessions wait on
     each forward."""
 
     def __init__(self, info: common_pb2.ModelInfo | None) -> None:
-        points = [(p.batch_tokens, p.seconds) for p in info.forward_costs if p.seconds > 0] if info else []
-        self.intercept, self.slope = (points[0][1] if points else 0.0), 0.0
-        if len({tokens for tokens, _ in points}) >= 2:
-            slope, intercept = statistics.linear_regression(*zip(*points, strict=True))
-            self.slope, self.intercept = max(slope, 0.0), max(intercept, 0.0)
+        self.curve = CostCurve([(p.batch_tokens, p.seconds) for p in info.forward_costs] if info else [])
         self.stretch = 1.0
         self.batch = 1.0  # sessions in a forward
+        self.tokens = 1.0  # tokens a forward feeds
+        self.last_stretch: float | None = None  # the last step's forward against the curve
         self._forward: float | None = None  # seconds of one forward
         self._queue = 0.0  # seconds a step waits before its first forward
 
     @property
     def row_seconds(self) -> float:
-        """What one more row adds to a forward now."""
-        return self.slope * self.stretch
+        """What one more row adds to a forward now: the fitted curve's chord from the live forward's
+        tokens over one more row for each of its sessions."""
+        return self.curve.row_seconds(self.tokens, self.batch) * self.stretch
 
     @property
     def others(self) -> float:
@@ -108,11 +107,13 @@ class Forwards:
     def observe(self, timing: common_pb2.Timing, forwards: int = 1) -> None:
         """A step's timing: `forwards` forwards (a draft step runs one per drafted token), the largest
         of `timing.batch_size` sessions and `timing.batch_tokens` tokens."""
-        predicted = self.intercept + self.slope * timing.batch_tokens
+        predicted = self.curve.seconds(timing.batch_tokens)
         if timing.batch_size == 0 or timing.forward_seconds <= 0 or predicted <= 0 or forwards < 1:
             return
         self.stretch = _ewma(self.stretch, timing.forward_seconds / forwards / predicted)
+        self.last_stretch = timing.forward_seconds / forwards / predicted
         self.batch = _ewma(self.batch, timing.batch_size)
+        self.tokens = _ewma(self.tokens, timing.batch_tokens)
         self._forward = _ewma(self._forward, timing.forward_seconds / forwards)
         self._queue = _ewma(self._queue, max(timing.queue_seconds, 0.0))
 
@@ -153,6 +154,19 @@ class StepTimes:
     def observe_draft_step(self, seconds_per_token: float) -> None:
         self.draft_per_token = _ewma(self.draft_per_token, seconds_per_token)
 
+    def draft_price_at_load(self, stretch: float = 1.0) -> float:
+        """A drafted token's price if every session in the target's forwards drafted: one forward of the
+        draft with that many rows of one token, from its curve, at `stretch` times its start-up speed."""
+        return self.draft.curve.seconds(self.target.batch) * stretch
+
+    def observe_probe_step(self) -> None:
+        """A probe's draft step has answered: the draft's price is at most what that step's speed says a
+        drafted token would cost at the load there is. Only rounds that draft update the price
+        otherwise, so a price learnt under a burst of load (or a draft's slow spell) stood for as long as
+        it held every request at K = 0 (docs/design.md, the probes)."""
+        if self.draft.last_stretch is not None and self.draft_per_token is not None:
+            self.draft_per_token = min(self.draft_per_token, self.draft_price_at_load(self.draft.last_stretch))
+
 
 class GoodputK(KPolicy):
     """One request's K in [0, max_k] by J(K); `drafts_cost` is False for prompt-lookup blocks, which
@@ -190,9 +204,11 @@ class GoodputK(KPolicy):
     def acceptance_rate(self) -> float:
         return self._accepted / self._trials
 
-    def goodputs(self, acceptance: float | None = None, upto: int | None = None) -> list[float]:
+    def goodputs(
+        self, acceptance: float | None = None, upto: int | None = None, draft_price: float | None = None
+    ) -> list[float]:
         """J(K) for K = 0 .. `upto` (default max_k; empty before a round measured S), at the request's
-        acceptance estimate or at `acceptance`."""
+        acceptance estimate or at `acceptance`, and at the draft's learnt price or at `draft_price`."""
         # A new request starts from every request's S: its first round (the prefill, and the block
         # drafted beside it) is then chosen for the load there is, not for none.
         base = self._base if self._base is not None else self.times.base
@@ -200,7 +216,8 @@ class GoodputK(KPolicy):
             return []
         times = self.times
         beta = times.target.row_seconds
-        draft = (times.draft_per_token or 0.0) if self.drafts_cost else 0.0
+        draft = (times.draft_per_token or 0.0) if draft_price is None else draft_price
+        draft = draft if self.drafts_cost else 0.0
         # What one more row of this request costs the others per second of their rounds: a row in a
         # target forward shared with B - 1 sessions, and (drafting) a row in a draft forward.
         crowd = times.target.others * beta
@@ -253,17 +270,20 @@ class GoodputK(KPolicy):
     def probe_due(self) -> bool:
         """A draft model's probe: one token drafted beside a K = 0 round's step, scored against it. Only
         where the acceptance could bring K back: where the load holds K at 0 even for a draft that always
-        agrees, a probe would learn nothing, and its draft step (catching up on every token since the
-        last) costs the cores it may share with the target (measured at 32 co-located streams)."""
+        agrees, at its start-up speed with every session drafting, a probe would learn nothing, and its
+        draft step (catching up on every token since the last) costs the cores it may share with the
+        target (measured at 32 co-located streams). Not at the learnt price: the probe's step is also
+        what brings a stale price down (`StepTimes.observe_probe_step`)."""
         if not (self.drafts_cost and self.max_k > 0 and self._rounds_without_draft >= self._probe_wait):
             return False
-        agreeing = self.goodputs(acceptance=1.0, upto=1)
+        agreeing = self.goodputs(acceptance=1.0, upto=1, draft_price=self.times.draft_price_at_load())
         return not agreeing or agreeing[1] > LEAVE_ZERO_GAIN * agreeing[0]
 
     def observe_probe(self, acceptance: float | None) -> None:
         self._rounds_without_draft = 1  # the probe's round counts; a draft that did not answer is asked again
         self._probe_wait *= 2  # unless K leaves 0 before it
         if acceptance is not None:
+            self.times.observe_probe_step()
             self._learn(acceptance, 1)
 
     def observe(self, verdict: Verdict, draft_seconds: float = 0.0, target_seconds: float = 0.0) -> None:

@@ -13,7 +13,7 @@ from model_host.batching import chunk_tokens, group_ends
 from model_host.engine import Engine, EngineLimits, Job
 from model_host.forward import Forward, RowLogits
 from model_host.kv_blocks import BlockStore
-from model_host.profile import forward_costs, overhead_tokens
+from model_host.profile import forward_costs, overhead_tokens, profile_shapes
 from model_host.rows import Row
 from serving.errors import ServiceError
 from tests.conftest import wait_until
@@ -182,9 +182,19 @@ def test_a_forward_is_timed_until_the_device_has_run_it():
 
 
 def test_the_cost_curve_times_forwards_until_the_device_has_run_them():
-    points = forward_costs(QueuedForward(device_s=0.01), VOCAB, max_batch_size=2, widths=(1,))
+    points = forward_costs(QueuedForward(device_s=0.01), VOCAB, [1, 2], (1,))
     assert [tokens for tokens, _ in points] == [1, 2]
     assert all(seconds >= 0.01 for _, seconds in points)
+
+
+def test_on_an_accelerator_the_curve_reaches_the_largest_verify_of_the_largest_batch():
+    """A GPU's curve is flat to its ridge point (about 300 tokens for an 8B model on an H100); timed only
+    to 32 rows of 5 tokens (160), it would never show where rows start to cost. The CPU's stays as it was."""
+    batch_sizes, widths = profile_shapes("cuda:0", "target", 128, 16)
+    assert batch_sizes[-1] == 128 and max(widths) == 17 and 64 in batch_sizes
+    assert profile_shapes("cuda", "target", 48, 4) == ([1, 2, 4, 8, 16, 32, 48], (1, 3, 5))
+    assert profile_shapes("cuda:0", "draft", 128, 16)[1] == (1,)  # a draft step feeds a token a forward
+    assert profile_shapes("cpu", "target", 128, 16) == ([1, 2, 4, 8, 16, 32], (1, 3, 5))
 
 
 class ClockedForward(FakeForward):
@@ -208,7 +218,7 @@ def test_a_burst_of_noise_at_start_up_does_not_tilt_the_cost_curve(monkeypatch):
     fastest over rounds. (A median of three back-to-back timings per shape did not.)"""
     forward = ClockedForward(slow=range(1, 40))
     monkeypatch.setattr("model_host.profile.time.perf_counter", lambda: forward.now)
-    points = forward_costs(forward, VOCAB, max_batch_size=32, widths=(1, 3, 5))
+    points = forward_costs(forward, VOCAB, *profile_shapes("cpu", "target", 32, 16))
     assert len(points) == 18  # no two shapes feed as many tokens
     for tokens, seconds in points:
         assert seconds == pytest.approx(0.008 + 0.00025 * tokens), tokens

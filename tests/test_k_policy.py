@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from orchestrator.goodput import PROBE_EVERY, GoodputK, StepTimes, make_policy
 from orchestrator.k_policy import CostModelK, FixedK, HeuristicK, best_k, expected_tokens
 from orchestrator.rejection import Verdict
@@ -245,6 +247,27 @@ def test_at_k0_a_probe_comes_every_few_rounds_and_brings_k_back():
     assert not policy.probe_due() and policy.next_k() > 0
 
 
+def test_a_draft_price_learnt_under_a_burst_does_not_hold_k_at_0_once_it_is_gone():
+    """Only rounds that draft update the price of a drafted token. One learnt under a burst of load (here
+    40 ms, 2 ms at start-up) held every later request at K = 0 for good: the probes' gate priced an
+    agreeing draft at it, so no probe ran, and no round drafted to measure it again (seen on the modeled
+    8B/1B: a whole one-stream cell at K = 0 after a 64-stream one). The gate prices the draft as at
+    start-up, and the probe's draft step brings the price down to what its forward measured."""
+    times = _times(FLAT)
+    times.draft_per_token = 0.040  # learnt in the burst
+    policy = GoodputK(2, 4, times)
+    policy.observe_wall(0, 0.02)  # one round measured S
+    assert policy.next_k() == 0  # at 40 ms a drafted token, drafting does not pay
+    for _ in range(PROBE_EVERY):
+        policy.observe(_verdict(0, 0))
+    assert policy.probe_due()
+    probe = common_pb2.Timing(batch_size=1, batch_tokens=PROBE_EVERY, forward_seconds=0.0021)
+    times.draft.observe(probe)  # the probe's step: one forward catching up on the rounds since the last
+    policy.observe_probe(1.0)
+    assert times.draft_per_token == pytest.approx(0.0021)  # its speed, at the load there is (one session)
+    assert policy.next_k() > 0
+
+
 def test_no_probe_where_the_load_alone_holds_k_at_0():
     """Rows that cost the others more than an always-agreeing draft would earn: a probe would learn
     nothing that could bring K back, and its draft step would cost the cores."""
@@ -292,7 +315,7 @@ def test_the_step_times_follow_the_live_forwards():
     before = times.target.row_seconds
     for _ in range(50):  # forwards twice as slow as at start-up (another process on the cores)
         timing = common_pb2.Timing(batch_size=8, batch_tokens=8)
-        timing.forward_seconds = 2 * (times.target.intercept + times.target.slope * 8)
+        timing.forward_seconds = 2 * times.target.curve.seconds(8)
         times.target.observe(timing)
     assert abs(times.target.row_seconds / before - 2) < 0.02 and abs(times.target.batch - 8) < 0.1
 
