@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-# A knee has at least this many distinct token counts on each side: a second line through fewer would
-# fit the noise of the last points (a straight curve with 3% noise got a knee at its second-to-last point).
+# A knee has at least this many distinct token counts on each side: a second line through fewer fits the
+# noise of the last points (docs/design.md, "What a row costs").
 MIN_SIDE_POINTS = 3
 
 

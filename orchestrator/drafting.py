@@ -18,7 +18,7 @@ from orchestrator.upstream import Context, DraftAvailability, SessionStream, is_
 from orchestrator.verdicts import draft_row_from
 from serving.errors import ServiceError, unavailable
 from serving.tensors import WireFormatError
-from specdec.v1 import draft_pb2
+from specdec.v1 import common_pb2, draft_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -90,12 +90,13 @@ class Drafter:
             )
             response = stepped.response
             token_ids = list(response.draft_token_ids)
+            drafted = len(token_ids)  # the draft's forwards, one a token in its own ids
             translation = self.limits.translation
             if translation is not None and token_ids:
                 if self.fields.string_match:  # SLEM: the text re-tokenized, as many tokens as K allows
                     token_ids = translation.retokenized(token_ids)[:k]
                     if not token_ids:  # no whole character drafted: this round verifies nothing drafted
-                        self.stats.draft_seconds += response.timing.forward_seconds
+                        self._account(response.timing, drafted)
                         return NO_DRAFT
                 else:
                     token_ids = translation.target_ids(token_ids)
@@ -123,19 +124,25 @@ class Drafter:
             self.stats.draft_fallback_rounds += 1
             draft.reset()
             return NO_DRAFT
-        self.stats.draft_seconds += response.timing.forward_seconds
-        if self.times is not None:
-            self.times.draft.observe(response.timing, len(token_ids))
+        self._account(response.timing, drafted)
         return Draft(
             token_ids=token_ids,
             token_probs=probs,
             rows_at=RowsAt(draft.where, response.step_number) if probs is not None else None,
             forward_seconds=response.timing.forward_seconds,
             fed=stepped.fed,
-            forward_seconds_per_token=response.timing.forward_seconds / len(token_ids),
+            forward_seconds_per_token=response.timing.forward_seconds / drafted,
             speculated=response.speculated,
             parents=parents,
         )
+
+    def _account(self, timing: common_pb2.Timing, drafted: int) -> None:
+        """A draft step that answered: its forwards' time in the request's stats, and in the step times
+        every request prices drafting by, per forward (`drafted`, the draft's own tokens: a block
+        re-tokenized for SLEM may hold more or fewer of the target's)."""
+        self.stats.draft_seconds += timing.forward_seconds
+        if self.times is not None:
+            self.times.draft.observe(timing, drafted)
 
     async def row(
         self, block: Draft, index: int, side: asyncio.Task[Draft] | None, sequence: list[int]

@@ -110,8 +110,8 @@ class Forwards:
         predicted = self.curve.seconds(timing.batch_tokens)
         if timing.batch_size == 0 or timing.forward_seconds <= 0 or predicted <= 0 or forwards < 1:
             return
-        self.stretch = _ewma(self.stretch, timing.forward_seconds / forwards / predicted)
         self.last_stretch = timing.forward_seconds / forwards / predicted
+        self.stretch = _ewma(self.stretch, self.last_stretch)
         self.batch = _ewma(self.batch, timing.batch_size)
         self.tokens = _ewma(self.tokens, timing.batch_tokens)
         self._forward = _ewma(self._forward, timing.forward_seconds / forwards)
