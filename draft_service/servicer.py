@@ -179,7 +179,7 @@ class DraftServicer(
             shared=None if request.whole_vocabulary else self.shared,
         )
         cache = self.speculation
-        if cache is not None and (guessing or _speculates(request)):
+        if cache is not None and _speculates(request):
             # Its session's next step follows the target's verify, not this answer: the engine does not
             # hold a forward for it. The cache needs each position's likeliest tokens when it fans out.
             job.comes_straight_back = False

@@ -288,6 +288,9 @@ class SpeculationCache:
             job.rank = verdict.rank
         job.speculative = True
         job.comes_straight_back = False
+        # A hit's answer drafts ahead in turn (`launch`), which needs each position's likeliest tokens:
+        # an entry without them left the step after every hit on a rejection's entry a miss.
+        job.alternatives = GUESSES if self.fans_out else 0
         job.max_length = length + next_k - 1
         self.engine.submit(job)
         with self._lock:

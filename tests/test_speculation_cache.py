@@ -27,6 +27,7 @@ import grpc
 import pytest
 import torch
 
+from draft_service.jobs import GuessingDraftJob
 from draft_service.servicer import DraftServicer
 from draft_service.speculation import SpeculationCache
 from model_host.loading import LoadedModel
@@ -153,6 +154,30 @@ def test_a_step_for_another_verdict_or_other_fields_drafts_anew(drafts):
     session.close()
     channel.close()
     assert drafted
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_step_answered_from_the_cache_drafts_ahead_in_turn(drafts, whole):
+    """A hit's answer launches entries for its own verdicts, as a drafted step's does: after a hit on
+    a rejection's entry (no bonus guess) as after a whole block's. Entries once lacked the draft's
+    likeliest tokens at each position, so after every hit on a rejection's entry the next step was a
+    miss (modeled 8B/1B, one stream: 0.35 of load_aware's rounds found their block ready, 0.58 after)."""
+    cached, _ = drafts
+    cache = _cache(cached)
+    session, channel = _session(cached)
+    session.step(_step(0, [21, 22, 23, 24], 3, 0.0, speculate=3))
+    assert _drafted_ahead(cache)
+    (entries,) = cache._entries.values()
+    entry = next(entry for entry in entries if isinstance(entry.job, GuessingDraftJob) == whole)
+    append = list(entry.append) + ([entry.job.guess] if isinstance(entry.job, GuessingDraftJob) else [])
+    response = session.step(_step(entry.keep, append, 3, 0.0, speculate=3))
+    assert response.speculated
+    assert _drafted_ahead(cache), "the step answered from the cache drafted nothing ahead"
+    (again,) = cache._entries.values()
+    assert any(isinstance(entry.job, GuessingDraftJob) for entry in again)
+    assert sum(not isinstance(entry.job, GuessingDraftJob) for entry in again) >= 3
+    session.close()
+    channel.close()
 
 
 @pytest.fixture(scope="module")
