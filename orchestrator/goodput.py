@@ -23,7 +23,11 @@ sessions sharing its forwards (the marginal goodput of TurboSpec and SmartSpec):
   guessed; those wait only for what of that step (K + 1 tokens) outlasted the target's, so
   D(K) = (1 - a^(K+1)) (w + d K) + a^(K+1) max(w + d (K + 1) - S - beta K, 0). Measured on the
   modeled 8B/1B at one stream: rounds of 13.2, 15.9, 19.2 and 24.3 ms at fixed K = 2, 3, 4 and 6;
-  this predicts 13.4, 15.6, 18.6 and 24.2 with d fitted to the K = 2 round (docs/design.md).
+  this predicts 13.4, 15.6, 18.6 and 24.2 with d fitted to the K = 2 round (docs/design.md). With a
+  speculation cache the draft service holds the block in the share r of rounds measured, and the
+  round still asks for it: D(K) = (1 - r) (w + d K) + r (w + max(d (K + 1) - S - beta K, 0)). w and r
+  are running means in which a request's first rounds weigh one round each, from every request's
+  until the request has its own (docs/design.md, "What a round waits for").
 - X = (N beta + N_d beta_d) r / R: each of the N other sessions that wait on a target forward (those
   in it and those queued behind it, measured) waits beta per extra row, each of the N_d that wait on
   a draft forward beta_d per drafted token, and each loses tokens at about this request's rate r per
@@ -74,6 +78,24 @@ LEAVE_ZERO_GAIN = 1.25
 
 def _ewma(old: float | None, new: float) -> float:
     return new if old is None else DECAY * old + (1 - DECAY) * new
+
+
+class Mean:
+    """A running mean in which each value weighs DECAY times the next: as an exponentially weighted
+    average once there are a few, but a first value weighs one value, not the whole memory (an average
+    started at its first value holds it ten rounds' worth). None before the first value."""
+
+    def __init__(self) -> None:
+        self._total = 0.0
+        self._weight = 0.0
+
+    def add(self, value: float) -> None:
+        self._total = DECAY * self._total + value
+        self._weight = DECAY * self._weight + 1.0
+
+    @property
+    def value(self) -> float | None:
+        return self._total / self._weight if self._weight else None
 
 
 class Forwards:
@@ -137,6 +159,9 @@ class StepTimes:
         self.shared_cores = False  # the draft's forwards take the target's cores (set_draft)
         self.base: float | None = None  # S over every request's rounds: a new request's, until its own
         self.draft_per_token: float | None = None  # a draft step's forward seconds per drafted token
+        # w and the share of rounds whose block was ready (a speculation cache's), over every request's
+        # rounds: a new request's, until it has its own.
+        self.latency, self.ready = Mean(), Mean()
         self.set_draft(draft)  # sets self.draft
 
     def set_draft(self, draft: common_pb2.ModelInfo | None) -> None:
@@ -190,10 +215,10 @@ class GoodputK(KPolicy):
         # The draft drafts ahead for each likely verdict (its speculation cache): the share of rounds
         # whose block is ready is learnt (`_ready`), not a^(K + 1).
         self.speculates = overlaps and speculates
-        self._ready: float | None = None
+        self._ready = Mean()  # the share of this request's rounds whose block was ready
         self._accepted, self._trials = PRIOR_ACCEPTANCE, 1.0
         self._base: float | None = None  # S: a round's seconds beyond its own rows and draft wait
-        self._latency = 0.0  # w: what a speculating round waits for the draft beyond its forwards
+        self._latency = Mean()  # w: what a speculating round waits for the draft beyond its forwards
         self._fetch: float | None = None  # f: what a sampled round waits for the draft's row at a rejection
         self._k = min(initial_k, max_k)  # the last choice
         self._whole = False  # the last block was accepted whole
@@ -203,6 +228,11 @@ class GoodputK(KPolicy):
     @property
     def acceptance_rate(self) -> float:
         return self._accepted / self._trials
+
+    @property
+    def latency(self) -> float:
+        """w: the request's own, or every request's before its first round that waited."""
+        return _own_or(self._latency, self.times.latency) or 0.0
 
     def goodputs(
         self, acceptance: float | None = None, upto: int | None = None, draft_price: float | None = None
@@ -229,8 +259,8 @@ class GoodputK(KPolicy):
 
         # Each K's expected tokens from the last's (E(K) = E(K - 1) + a^K): this runs every round of every
         # request, and at 32 streams its cost showed in the orchestrator's CPU.
-        base, wait, fetch = max(base, 1e-6), self._latency, self._fetch or 0.0
-        ready = self._ready if self.speculates else None
+        base, wait, fetch = max(base, 1e-6), self.latency, self._fetch or 0.0
+        ready = _own_or(self._ready, times.ready) if self.speculates else None
         tokens, seconds, power = [1.0], [base], 1.0
         for k in range(1, (self.max_k if upto is None else max(upto, self._k)) + 1):
             power *= rate
@@ -240,9 +270,13 @@ class GoodputK(KPolicy):
                 # The block was drafted beside the last step when that one was accepted whole and the
                 # draft guessed its bonus token (a^(K + 1) of rounds), or, with a speculation cache,
                 # in the share of rounds measured; that draft step, K + 1 tokens, ran beside the
-                # target's, and the round waits only for what outlasted it.
-                ahead = power * rate if ready is None else ready
-                drafting = (1.0 - ahead) * drafting + ahead * max(drafting + draft - step, 0.0)
+                # target's, and the round waits only for what outlasted it. A block the cache holds
+                # still comes by a step to the draft: its w is paid whole.
+                if ready is None:
+                    ahead, hidden = power * rate, max(drafting + draft - step, 0.0)
+                else:
+                    ahead, hidden = ready, wait + max(draft * (k + 1) - step, 0.0)
+                drafting = (1.0 - ahead) * drafting + ahead * hidden
             seconds.append(step + drafting + (1.0 - power) * fetch)
         now = self._k
         others = crowd * tokens[now] / seconds[now] / seconds[now]
@@ -322,15 +356,23 @@ class GoodputK(KPolicy):
         if self.drafts_cost and k > 0 and draft_per_token > 0 and draft_fed <= self.max_k + 1:
             self.times.observe_draft_step(draft_per_token)
         if self.speculates and k > 0:
-            self._ready = _ewma(self._ready, float(overlapped))
+            self._ready.add(float(overlapped))
+            self.times.ready.add(float(overlapped))
         if self.drafts_cost and k > 0 and draft_per_token > 0 and draft_fed <= self.max_k + 1 and not overlapped:
             # The request's own wait for a draft step beyond its forwards: the draft's RPC and queue on
-            # this request's path, which K = 0 rounds and rounds whose block was drafted ahead do not pay.
-            self._latency = _ewma(self._latency, max(draft_wait - draft_per_token * k, 0.0))
+            # this request's path. Rounds whose block was drafted ahead do not measure it: their wait is
+            # what of the draft's work outlasted the last step, if any.
+            latency = max(draft_wait - draft_per_token * k, 0.0)
+            self._latency.add(latency)
+            self.times.latency.add(latency)
 
     def _learn(self, accepted: float, trials: int) -> None:
         self._accepted = DECAY * self._accepted + accepted
         self._trials = DECAY * self._trials + trials
+
+
+def _own_or(own: Mean, shared: Mean) -> float | None:
+    return own.value if own.value is not None else shared.value
 
 
 def make_policy(name: str, initial_k: int, max_k: int, times: StepTimes, **load_aware: bool) -> KPolicy:

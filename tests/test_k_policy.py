@@ -88,14 +88,18 @@ def _round_seconds(policy: GoodputK, k: int) -> float:
     times = policy.times
     assert policy._base is not None and times.draft_per_token is not None
     step = policy._base + times.target.row_seconds * k
-    drafting = policy._latency + times.draft_per_token * k
+    drafting = policy.latency + times.draft_per_token * k
     fetch = (1 - policy.acceptance_rate**k) * (policy._fetch or 0.0)  # the draft's row, in the rounds that reject
     if not k or not policy.overlaps:
         return step + drafting * (k > 0) + fetch
-    ahead = policy.acceptance_rate ** (k + 1)  # drafted beside the last step: K + 1 tokens beside this one's
-    if policy.speculates and policy._ready is not None:
-        ahead = policy._ready  # a speculation cache: the share of rounds whose block was ready
-    return step + (1 - ahead) * drafting + ahead * max(drafting + times.draft_per_token - step, 0.0) + fetch
+    if policy.speculates:  # a speculation cache: the share of rounds measured ready, each a step to the draft
+        ahead = policy._ready.value if policy._ready.value is not None else policy.times.ready.value
+        assert ahead is not None
+        hidden = policy.latency + max(times.draft_per_token * (k + 1) - step, 0.0)
+    else:  # drafted beside the last step: K + 1 tokens beside this one's
+        ahead = policy.acceptance_rate ** (k + 1)
+        hidden = max(drafting + times.draft_per_token - step, 0.0)
+    return step + (1 - ahead) * drafting + ahead * hidden + fetch
 
 
 def test_alone_it_maximises_tokens_per_second_of_its_rounds():
@@ -106,7 +110,7 @@ def test_alone_it_maximises_tokens_per_second_of_its_rounds():
         policy = GoodputK(2, 8, _times(STEEP), overlaps=overlaps)
         _run(policy, 30, accepted_of=(3, 4))
         policy.observe_wall(2, 0.03, draft_wait=0.010, draft_fed=3, draft_per_token=0.002)  # waited 6 ms more
-        assert policy._latency > 0
+        assert policy.latency > 0
         alone = [expected_tokens(policy.acceptance_rate, k) / _round_seconds(policy, k) for k in range(9)]
         assert all(abs(g - a) < 1e-9 * a for g, a in zip(policy.goodputs(), alone, strict=True))
         assert policy.next_k() > 0
@@ -126,7 +130,7 @@ def test_drafting_ahead_hides_a_draft_step_only_as_long_as_the_targets():
         chosen.append(policy.next_k())
         # Against a draft step hidden whole whenever the block was drafted ahead: longer rounds.
         ahead, beta = policy.acceptance_rate**9, policy.times.target.row_seconds
-        hidden_whole = 0.02 + beta * 8 + (1 - ahead) * (policy._latency + draft_per_token * 8)
+        hidden_whole = 0.02 + beta * 8 + (1 - ahead) * (policy.latency + draft_per_token * 8)
         outlasts = 9 * draft_per_token > 0.02
         assert (_round_seconds(policy, 8) > hidden_whole + 1e-6) == outlasts
         assert (
@@ -165,7 +169,8 @@ def test_with_a_speculation_cache_the_share_of_ready_blocks_is_learnt():
         _run(policy, 30, accepted_of=(2, 4))
         for _ in range(20):
             policy.observe_wall(2, 0.02, draft_wait=0.0, draft_fed=3, draft_per_token=0.002, overlapped=True)
-        assert policy._ready is None if not speculates else policy._ready is not None and policy._ready > 0.8
+        ready = policy._ready.value
+        assert ready is None if not speculates else ready is not None and ready > 0.8
         by_hand = [expected_tokens(policy.acceptance_rate, k) / _round_seconds(policy, k) for k in range(9)]
         assert all(abs(g - h) < 1e-9 * h for g, h in zip(policy.goodputs(), by_hand, strict=True))
         chosen.append(max(range(9), key=policy.goodputs().__getitem__))
@@ -178,11 +183,49 @@ def test_the_drafts_wait_is_learnt_from_rounds_that_waited():
     draft's RPC and queue on the request's path (w)."""
     policy = GoodputK(2, 4, _times(FLAT), overlaps=True)
     policy.observe_wall(2, 0.03, draft_wait=0.010, draft_fed=3, draft_per_token=0.002)
-    waited = policy._latency
+    waited = policy.latency
     assert waited > 0
     for _ in range(10):
         policy.observe_wall(2, 0.02, draft_wait=0.0, draft_fed=3, draft_per_token=0.002, overlapped=True)
-    assert policy._latency == waited
+    assert policy.latency == waited
+
+
+def test_a_new_request_starts_from_every_requests_waits_and_its_first_round_weighs_one():
+    """w and the share of ready rounds start from what every request measured, and a request's own
+    first round weighs one round, not the estimate's whole memory: a w that started at 0 and a share
+    that started at its first round (the block drafted beside the prefill, always ready) priced the
+    modeled 8B/1B's rounds at one stream at 13.4 ms where they took 17.1 (docs/design.md)."""
+    times = _times(FLAT)
+    first = GoodputK(2, 4, times, overlaps=True, speculates=True)
+    for _ in range(20):  # 2 ms a round beyond the draft's forwards, and a block ready in one round of four
+        for overlapped in (True, False, False, False):
+            first.observe_wall(2, 0.03, draft_wait=0.006, draft_fed=3, draft_per_token=0.002, overlapped=overlapped)
+    assert abs(first.latency - 0.002) < 1e-9
+    second = GoodputK(2, 4, times, overlaps=True, speculates=True)
+    assert second.latency == first.latency and second.goodputs() == first.goodputs()
+    second.observe_wall(2, 0.03, draft_wait=0.0, draft_fed=3, draft_per_token=0.002, overlapped=True)
+    for _ in range(9):
+        second.observe_wall(2, 0.03, draft_wait=0.006, draft_fed=3, draft_per_token=0.002, overlapped=False)
+    ready = second._ready.value
+    assert ready is not None and ready < 0.07  # an average started at the first round: 0.9^9 = 0.39
+
+
+def test_a_block_the_cache_holds_still_waits_for_a_step_to_the_draft():
+    """A ready block comes by a draft step to the draft service (the cache answers it): its round pays
+    w even where the draft's forwards hid whole beside the target's, where a block drafted beside the
+    last step is in hand (measured on the modeled 8B/1B, one stream: a ready round at K = 2 waited 1.7
+    ms, the rounds that drafted 1.8 ms beyond their forwards)."""
+    for speculates in (False, True):
+        policy = GoodputK(2, 4, _times(FLAT), overlaps=True, speculates=speculates)
+        for _ in range(20):
+            policy.observe(_verdict(1, 2))
+            for overlapped in (True, False):
+                policy.observe_wall(2, 0.05, draft_wait=0.02, draft_fed=3, draft_per_token=0.002, overlapped=overlapped)
+        one = expected_tokens(policy.acceptance_rate, 1) / policy.goodputs()[1]  # R(1)
+        assert abs(one - _round_seconds(policy, 1)) < 1e-9 * one
+        assert policy._base is not None
+        every_round_waits = policy._base + policy.times.target.row_seconds + policy.latency
+        assert (one >= every_round_waits - 1e-12) == speculates
 
 
 def test_a_sampled_rounds_wait_for_the_drafts_row_is_priced_in_the_rounds_that_reject():
