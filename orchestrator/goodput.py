@@ -26,8 +26,8 @@ sessions sharing its forwards (the marginal goodput of TurboSpec and SmartSpec):
   this predicts 13.4, 15.6, 18.6 and 24.2 with d fitted to the K = 2 round (docs/design.md). With a
   speculation cache the draft service holds the block in the share r of rounds measured, and the
   round still asks for it: D(K) = (1 - r) (w + d K) + r (w + max(d (K + 1) - S - beta K, 0)). w and r
-  are running means in which a request's first rounds weigh one round each, from every request's
-  until the request has its own (docs/design.md, "What a round waits for").
+  are the request's own running means, in which its first rounds weigh one round each (docs/design.md,
+  "What a round waits for").
 - X = (N beta + N_d beta_d) r / R: each of the N other sessions that wait on a target forward (those
   in it and those queued behind it, measured) waits beta per extra row, each of the N_d that wait on
   a draft forward beta_d per drafted token, and each loses tokens at about this request's rate r per
@@ -159,9 +159,6 @@ class StepTimes:
         self.shared_cores = False  # the draft's forwards take the target's cores (set_draft)
         self.base: float | None = None  # S over every request's rounds: a new request's, until its own
         self.draft_per_token: float | None = None  # a draft step's forward seconds per drafted token
-        # w and the share of rounds whose block was ready (a speculation cache's), over every request's
-        # rounds: a new request's, until it has its own.
-        self.latency, self.ready = Mean(), Mean()
         self.set_draft(draft)  # sets self.draft
 
     def set_draft(self, draft: common_pb2.ModelInfo | None) -> None:
@@ -231,8 +228,8 @@ class GoodputK(KPolicy):
 
     @property
     def latency(self) -> float:
-        """w: the request's own, or every request's before its first round that waited."""
-        return _own_or(self._latency, self.times.latency) or 0.0
+        """w, 0 before the request's first round that waited for a draft step."""
+        return self._latency.value or 0.0
 
     def goodputs(
         self, acceptance: float | None = None, upto: int | None = None, draft_price: float | None = None
@@ -260,7 +257,7 @@ class GoodputK(KPolicy):
         # Each K's expected tokens from the last's (E(K) = E(K - 1) + a^K): this runs every round of every
         # request, and at 32 streams its cost showed in the orchestrator's CPU.
         base, wait, fetch = max(base, 1e-6), self.latency, self._fetch or 0.0
-        ready = _own_or(self._ready, times.ready) if self.speculates else None
+        ready = self._ready.value if self.speculates else None
         tokens, seconds, power = [1.0], [base], 1.0
         for k in range(1, (self.max_k if upto is None else max(upto, self._k)) + 1):
             power *= rate
@@ -357,22 +354,16 @@ class GoodputK(KPolicy):
             self.times.observe_draft_step(draft_per_token)
         if self.speculates and k > 0:
             self._ready.add(float(overlapped))
-            self.times.ready.add(float(overlapped))
         if self.drafts_cost and k > 0 and draft_per_token > 0 and draft_fed <= self.max_k + 1 and not overlapped:
             # The request's own wait for a draft step beyond its forwards: the draft's RPC and queue on
             # this request's path. Rounds whose block was drafted ahead do not measure it: their wait is
             # what of the draft's work outlasted the last step, if any.
             latency = max(draft_wait - draft_per_token * k, 0.0)
             self._latency.add(latency)
-            self.times.latency.add(latency)
 
     def _learn(self, accepted: float, trials: int) -> None:
         self._accepted = DECAY * self._accepted + accepted
         self._trials = DECAY * self._trials + trials
-
-
-def _own_or(own: Mean, shared: Mean) -> float | None:
-    return own.value if own.value is not None else shared.value
 
 
 def make_policy(name: str, initial_k: int, max_k: int, times: StepTimes, **load_aware: bool) -> KPolicy:
