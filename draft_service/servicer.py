@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 from draft_service.jobs import DraftJob, GuessingDraftJob, TreeDraftJob
 from draft_service.lean import LeanDraft
-from draft_service.speculation import GUESSES, SpeculationCache
+from draft_service.speculation import SpeculationCache
 from draft_service.tree import Calibration, TreeBuilder
 from model_host.config import ModelServiceConfig
 from model_host.engine import Job
@@ -183,7 +183,7 @@ class DraftServicer(
             # Its session's next step follows the target's verify, not this answer: the engine does not
             # hold a forward for it. The cache needs each position's likeliest tokens when it fans out.
             job.comes_straight_back = False
-            job.alternatives = GUESSES if cache.fans_out else 0
+            job.alternatives = cache.alternatives
         return job
 
     def drafted_ahead(self, session: Session, request: draft_pb2.DraftRequest) -> tuple[Job, Future[Any]] | None:

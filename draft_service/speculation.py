@@ -177,6 +177,13 @@ class SpeculationCache:
         self._sessions: dict[str, Acceptance] = {}
         self.prior = Acceptance()
 
+    @property
+    def alternatives(self) -> int:
+        """The likeliest tokens a job notes at each drafted position, for the entries its answer launches
+        (`launch`): live steps that ask to draft ahead, and every entry, since a hit's answer launches
+        entries in turn."""
+        return GUESSES if self.fans_out else 0
+
     def running(self) -> int:
         """Entries whose job is still in the engine: they take forward rows."""
         with self._lock:
@@ -288,9 +295,7 @@ class SpeculationCache:
             job.rank = verdict.rank
         job.speculative = True
         job.comes_straight_back = False
-        # A hit's answer drafts ahead in turn (`launch`), which needs each position's likeliest tokens:
-        # an entry without them left the step after every hit on a rejection's entry a miss.
-        job.alternatives = GUESSES if self.fans_out else 0
+        job.alternatives = self.alternatives
         job.max_length = length + next_k - 1
         self.engine.submit(job)
         with self._lock:

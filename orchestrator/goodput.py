@@ -257,7 +257,7 @@ class GoodputK(KPolicy):
         # Each K's expected tokens from the last's (E(K) = E(K - 1) + a^K): this runs every round of every
         # request, and at 32 streams its cost showed in the orchestrator's CPU.
         base, wait, fetch = max(base, 1e-6), self.latency, self._fetch or 0.0
-        ready = self._ready.value if self.speculates else None
+        ready = self._ready.value  # None without a speculation cache: it learns only with one
         tokens, seconds, power = [1.0], [base], 1.0
         for k in range(1, (self.max_k if upto is None else max(upto, self._k)) + 1):
             power *= rate
@@ -358,8 +358,7 @@ class GoodputK(KPolicy):
             # The request's own wait for a draft step beyond its forwards: the draft's RPC and queue on
             # this request's path. Rounds whose block was drafted ahead do not measure it: their wait is
             # what of the draft's work outlasted the last step, if any.
-            latency = max(draft_wait - draft_per_token * k, 0.0)
-            self._latency.add(latency)
+            self._latency.add(max(draft_wait - draft_per_token * k, 0.0))
 
     def _learn(self, accepted: float, trials: int) -> None:
         self._accepted = DECAY * self._accepted + accepted
