@@ -37,7 +37,7 @@ from typing import Any
 import grpc
 
 from bench.compare import geomean, interval, worktree
-from bench.load import _process_cpu, metric_totals
+from bench.load import _process_cpu, metric_totals, outside_scrapes
 from bench.null_pair import build_null_pair
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from tools.local_stack import LocalStack
@@ -106,12 +106,15 @@ def _cell(
     """One run: tokens per second and CPU microseconds per token by process (`target`: an HTTP URL to
     drive instead of the orchestrator's gRPC port; `extra`: more processes to measure, by name)."""
 
-    def usage() -> dict[str, float]:
-        cpu = {name: _process_cpu(pid) for name, pid in {**stack.pids, **(extra or {})}.items()}
-        forwards = metric_totals(stack.metrics_ports["target"], "specdec:engine_forward_seconds_sum")
+    def usage(before: bool) -> dict[str, float]:
+        cpu, forwards = outside_scrapes(
+            before,
+            lambda: {name: _process_cpu(pid) for name, pid in {**stack.pids, **(extra or {})}.items()},
+            lambda: metric_totals(stack.metrics_ports["target"], "specdec:engine_forward_seconds_sum"),
+        )
         return {**cpu, "target forwards": forwards.get("target", 0.0)}
 
-    before = usage()
+    before = usage(before=True)
     client = subprocess.run(
         [sys.executable, "-m", "bench.host_cpu", "--drive", target or stack.orchestrator_address,
          "--streams", str(streams), "--k", str(k), "--max-new-tokens", str(max_new_tokens)],
@@ -120,7 +123,7 @@ def _cell(
     if client.returncode:
         raise SystemExit(f"the client failed:\n{client.stderr[-3000:]}")
     driven = json.loads(client.stdout.strip().splitlines()[-1])
-    after = usage()
+    after = usage(before=False)
     tokens = max(1, driven["tokens"])
     # The client's warm-up request falls inside the services' window: counted out by its share.
     share = tokens / (tokens + max_new_tokens)

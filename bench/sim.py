@@ -43,7 +43,16 @@ import grpc
 from transformers import AutoTokenizer
 
 from bench.compare import geomean, interval
-from bench.load import PINNED, LoadConfig, LoadSample, _process_cpu, metric_totals, percentile, run_services
+from bench.load import (
+    PINNED,
+    LoadConfig,
+    LoadSample,
+    _process_cpu,
+    metric_totals,
+    outside_scrapes,
+    percentile,
+    run_services,
+)
 from bench.sim_pair import build_sim_pair
 from default_models.prompts import held_out_prompts
 from model_host.simulated import DeviceProfile, Kernels, profile_named
@@ -125,9 +134,18 @@ def prompts_for(tokenizer: Any, context: str, count: int) -> list[list[int]]:
     return [stream[61 * i : 61 * i + LONG_CONTEXT] for i in range(count)]
 
 
-def _usage(stack: LocalStack) -> dict[str, float]:
-    """CPU seconds by process, and the services' simulation counters, so far."""
-    usage = {f"cpu:{name}": _process_cpu(pid) for name, pid in stack.pids.items()}
+def _usage(stack: LocalStack, before: bool) -> dict[str, float]:
+    """CPU seconds by process, and the services' simulation counters, so far (the scrapes outside the
+    cell's CPU: `outside_scrapes`)."""
+    cpu, scraped = outside_scrapes(
+        before, lambda: {f"cpu:{name}": _process_cpu(pid) for name, pid in stack.pids.items()}, lambda: _scrape(stack)
+    )
+    return {**cpu, **scraped}
+
+
+def _scrape(stack: LocalStack) -> dict[str, float]:
+    """The services' simulation and speculation counters, so far."""
+    usage: dict[str, float] = {}
     for service in SERVICES:
         port = stack.metrics_ports[service]
         for key, metric in (
@@ -155,12 +173,12 @@ def run_cell(
     tokens: int,
     where: tuple[str, str],
 ) -> Cell:
-    before, client_before = _usage(stack), time.process_time()
+    before, client_before = _usage(stack, before=True), time.process_time()
     sample: LoadSample = asyncio.run(
         run_services(stack.orchestrator_address, config.load, prompts, streams, rep, tokens, ignore_eos=True)
     )
     client = time.process_time() - client_before
-    after = _usage(stack)
+    after = _usage(stack, before=False)
     delta = {key: after[key] - before.get(key, 0.0) for key in after}
     out = max(1, sample.tokens)
     cpu = {

@@ -242,8 +242,7 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
                     else:  # the other sessions' steps do not wait for this one's compile
                         link.compiling[entry.session] = asyncio.create_task(self._compile_then_enter(link, entry, spec))
                 # Steps the engine took wake the answering side when they end. Waking it here too cost a
-                # turn of the loop per message: 7% of the target's work outside its forwards at one
-                # stream (near-null pair, `make host-bench`).
+                # turn of the loop per message: 6.9 turns a step at one stream, 5.9 without.
                 if link.results or closes or self.draining:
                     link.wake.set()
         finally:
