@@ -350,11 +350,12 @@ class GoodputK(KPolicy):
             self._fetch = _ewma(self._fetch, fetch_seconds)
         self._base = _ewma(self._base, base)
         self.times.observe_base(base)
-        if self.drafts_cost and k > 0 and draft_per_token > 0 and draft_fed <= self.max_k + 1:
+        priced = self.drafts_cost and k > 0 and draft_per_token > 0 and draft_fed <= self.max_k + 1
+        if priced:
             self.times.observe_draft_step(draft_per_token)
         if self.speculates and k > 0:
             self._ready.add(float(overlapped))
-        if self.drafts_cost and k > 0 and draft_per_token > 0 and draft_fed <= self.max_k + 1 and not overlapped:
+        if priced and not overlapped:
             # The request's own wait for a draft step beyond its forwards: the draft's RPC and queue on
             # this request's path. Rounds whose block was drafted ahead do not measure it: their wait is
             # what of the draft's work outlasted the last step, if any.

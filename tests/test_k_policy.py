@@ -92,10 +92,9 @@ def _round_seconds(policy: GoodputK, k: int) -> float:
     fetch = (1 - policy.acceptance_rate**k) * (policy._fetch or 0.0)  # the draft's row, in the rounds that reject
     if not k or not policy.overlaps:
         return step + drafting * (k > 0) + fetch
-    if (
-        policy.speculates and policy._ready.value is not None
-    ):  # a cache: the share measured ready, each a step to the draft
-        ahead = policy._ready.value
+    ready = policy._ready.value if policy.speculates else None
+    if ready is not None:  # a cache: the share measured ready, each a step to the draft
+        ahead = ready
         hidden = policy.latency + max(times.draft_per_token * (k + 1) - step, 0.0)
     else:  # drafted beside the last step: K + 1 tokens beside this one's
         ahead = policy.acceptance_rate ** (k + 1)
