@@ -10,7 +10,16 @@ generated token from /proc over the run, and the target's figure without its for
 forward seconds from its metrics; one torch thread, so a forward's wall is its CPU).
 
 Each stream sends 3 requests of 64 tokens back to back (token-id prompts, `ignore_eos`, greedy). Cells:
-the target alone (K = 0) and fixed K = 4 with the identical draft, at each stream count.
+the target alone (K = 0), fixed K = 4 and `load_aware` with K up to 4 (the orchestrator's default
+policy), with the identical draft, at each stream count. (Before this release the fixed K = 4 cell sent
+no policy, so it ran `load_aware`.)
+
+A second table gives where a target step's time went, from the orchestrator's step clock
+(`specdec:step_seconds`): the service's forwards, its queue before the first, its other host work, the
+transport (the round trip less the service's own time: the network, gRPC, and both processes' event
+loops), and the time between the step's answer and the session's next step. Last, the transport's
+floor on this machine: a bare grpc.aio round trip between two processes, and one with a thread handoff
+in the server, as a model service's engine makes.
 
 `--against REV` runs another revision's services and orchestrator beside this tree's (a git worktree,
 as bench.compare makes one), and the cells alternate between the trees round by round; the table then
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import datetime
 import json
@@ -30,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +49,19 @@ import grpc
 from bench.compare import geomean, interval, worktree
 from bench.load import _process_cpu, metric_totals, outside_scrapes
 from bench.null_pair import build_null_pair
+from orchestrator.upstream import StepClock
+from serving.protocol import POLICY_BY_NAME
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-from tools.local_stack import LocalStack
+from tools.local_stack import LOOPBACK, LocalStack, free_port
 
 THIS, OTHER = "this", "other"
-CELLS = {"K = 0": 0, "fixed K = 4": 4}
+# A cell: its K, and the policy the requests ask for (the orchestrator's default is load_aware).
+CELLS = {"K = 0": (0, "fixed"), "fixed K = 4": (4, "fixed"), "load_aware to K = 4": (4, "load_aware")}
 REQUESTS_PER_STREAM = 3
 PROMPT = list(range(100, 132))  # 32 token ids
 
 
-async def _drive(address: str, streams: int, k: int, max_new_tokens: int) -> dict[str, float]:
+async def _drive(address: str, streams: int, k: int, max_new_tokens: int, policy: str) -> dict[str, float]:
     """`streams` clients, each sending its requests back to back; tokens and seconds."""
     tokens = 0
 
@@ -59,6 +72,7 @@ async def _drive(address: str, streams: int, k: int, max_new_tokens: int) -> dic
                 token_ids=orchestrator_pb2.TokenIds(ids=[*PROMPT, index % 1000, n]),
                 max_new_tokens=max_new_tokens,
                 num_speculative_tokens=k,
+                speculation_policy=POLICY_BY_NAME[policy],
                 ignore_eos=True,
             )
             async for message in stub.Generate(request):
@@ -73,7 +87,7 @@ async def _drive(address: str, streams: int, k: int, max_new_tokens: int) -> dic
         return {"tokens": tokens, "seconds": time.perf_counter() - started, "cpu": time.process_time() - cpu}
 
 
-async def _drive_http(url: str, streams: int, k: int, max_new_tokens: int) -> dict[str, float]:
+async def _drive_http(url: str, streams: int, k: int, max_new_tokens: int, policy: str) -> dict[str, float]:
     """As `_drive`, through the OpenAI-compatible API: streamed completions of token-id prompts."""
     import httpx2 as httpx
 
@@ -83,7 +97,7 @@ async def _drive_http(url: str, streams: int, k: int, max_new_tokens: int) -> di
         nonlocal tokens
         for n in range(REQUESTS_PER_STREAM):
             body = {"prompt": [*PROMPT, index % 1000, n], "max_tokens": max_new_tokens, "temperature": 0,
-                    "stream": True, "ignore_eos": True, "num_speculative_tokens": k,
+                    "stream": True, "ignore_eos": True, "num_speculative_tokens": k, "speculation_policy": policy,
                     "stream_options": {"include_usage": True}}  # fmt: skip
             async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
                 async for line in response.aiter_lines():
@@ -101,23 +115,35 @@ async def _drive_http(url: str, streams: int, k: int, max_new_tokens: int) -> di
 
 
 def _cell(
-    stack: LocalStack, streams: int, k: int, max_new_tokens: int, target: str = "", extra: dict[str, int] | None = None
+    stack: LocalStack,
+    streams: int,
+    cell: tuple[int, str],
+    max_new_tokens: int,
+    target: str = "",
+    extra: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """One run: tokens per second and CPU microseconds per token by process (`target`: an HTTP URL to
-    drive instead of the orchestrator's gRPC port; `extra`: more processes to measure, by name)."""
+    """One run of `cell` (K, policy): tokens per second and CPU microseconds per token by process
+    (`target`: an HTTP URL to drive instead of the orchestrator's gRPC port; `extra`: more processes to
+    measure, by name), and where a target step's time went."""
+    ports = stack.metrics_ports
+
+    def scrape() -> dict[str, float]:
+        forwards = metric_totals(ports["target"], "specdec:engine_forward_seconds_sum")
+        clock = metric_totals(ports["orchestrator"], "specdec:step_seconds_total", "service", "part")
+        steps = metric_totals(ports["orchestrator"], "specdec:steps_total")
+        return {"target forwards": forwards.get("target", 0.0), "target steps": steps.get("target", 0.0),
+                **{part: clock.get(f"target:{part}", 0.0) for part in StepClock.PARTS}}  # fmt: skip
 
     def usage(before: bool) -> dict[str, float]:
-        cpu, forwards = outside_scrapes(
-            before,
-            lambda: {name: _process_cpu(pid) for name, pid in {**stack.pids, **(extra or {})}.items()},
-            lambda: metric_totals(stack.metrics_ports["target"], "specdec:engine_forward_seconds_sum"),
+        cpu, scraped = outside_scrapes(
+            before, lambda: {name: _process_cpu(pid) for name, pid in {**stack.pids, **(extra or {})}.items()}, scrape
         )
-        return {**cpu, "target forwards": forwards.get("target", 0.0)}
+        return {**cpu, **scraped}
 
     before = usage(before=True)
     client = subprocess.run(
         [sys.executable, "-m", "bench.host_cpu", "--drive", target or stack.orchestrator_address,
-         "--streams", str(streams), "--k", str(k), "--max-new-tokens", str(max_new_tokens)],
+         "--streams", str(streams), "--k", str(cell[0]), "--policy", cell[1], "--max-new-tokens", str(max_new_tokens)],
         capture_output=True, text=True,
     )  # fmt: skip
     if client.returncode:
@@ -128,10 +154,17 @@ def _cell(
     # The client's warm-up request falls inside the services' window: counted out by its share.
     share = tokens / (tokens + max_new_tokens)
     used = {name: share * (after[name] - before[name]) for name in after}
-    per_token = {name: 1e6 * seconds / tokens for name, seconds in used.items() if name != "target forwards"}
+    per_token = {name: 1e6 * used[name] / tokens for name in {**stack.pids, **(extra or {})}}
     per_token["client"] = 1e6 * driven["cpu"] / tokens
     per_token["target outside forwards"] = 1e6 * (used["target"] - used["target forwards"]) / tokens
-    return {"tokens_per_second": driven["tokens"] / driven["seconds"], "us_per_token": per_token}
+    # Where a target step's time went, from the orchestrator's step clock (absent in a revision without it)
+    steps = after["target steps"] - before["target steps"]
+    per_step = {part: 1e6 * (after[part] - before[part]) / steps for part in StepClock.PARTS} if steps else {}
+    return {
+        "tokens_per_second": driven["tokens"] / driven["seconds"],
+        "us_per_token": per_token,
+        "us_per_step": per_step,
+    }
 
 
 PROCESSES = ["orchestrator", "target", "target outside forwards", "draft", "client"]
@@ -178,6 +211,81 @@ def table(results: list[dict[str, Any]], trees: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def step_table(results: list[dict[str, Any]], trees: Sequence[str]) -> str:
+    """Where a target step's time went (the orchestrator's step clock), medians over rounds."""
+    lines = [
+        "Where a target step's time goes: µs a step, medians over rounds (`specdec:step_seconds`)",
+        "",
+        "| streams | cell | tree | " + " | ".join(StepClock.PARTS) + " |",
+        "|---|---|---|" + "---|" * len(StepClock.PARTS),
+    ]
+    cells: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for result in results:
+        cells.setdefault((result["streams"], result["cell"]), []).append(result)
+    for (streams, cell), group in cells.items():
+        for tree in trees:
+            runs = [r[tree]["us_per_step"] for r in group if r[tree].get("us_per_step")]
+            if runs:
+                row = " | ".join(f"{statistics.median(r[part] for r in runs):,.0f}" for part in StepClock.PARTS)
+                lines.append(f"| {streams} | {cell} | {tree} | {row} |")
+    return "\n".join(lines)
+
+
+def transport_floor(round_trips: int = 2000, repetitions: int = 3) -> dict[str, float]:
+    """The median round trip of one small message over a grpc.aio bidirectional stream on loopback,
+    between two processes and nothing else: answered in the handler (`bare`), and handed to a thread
+    and back to the event loop first, as a model service's engine thread does (`thread handoff`). No
+    step of the services can take less than the second. Medians over interleaved repetitions."""
+    floors: dict[str, list[float]] = {"bare": [], "thread handoff": []}
+    for _ in range(repetitions):
+        for mode, seconds in floors.items():
+            port = free_port()
+            server = subprocess.Popen([sys.executable, "-m", "bench.host_cpu", "--floor-server", f"{port}:{mode}"])
+            try:
+                seconds.append(asyncio.run(_ping(f"{LOOPBACK}:{port}", round_trips)))
+            finally:
+                server.terminate()
+                server.wait(timeout=10)
+    return {mode: statistics.median(seconds) for mode, seconds in floors.items()}
+
+
+async def _ping(address: str, round_trips: int) -> float:
+    """Median seconds from writing a message to reading its echo, after a warm-up of a tenth."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        await asyncio.wait_for(channel.channel_ready(), timeout=30)
+        call = channel.stream_stream(_ECHO, request_serializer=bytes, response_deserializer=bytes)()
+        seconds = []
+        for _ in range(round_trips):
+            started = time.perf_counter()
+            await call.write(b"x" * 64)
+            await call.read()
+            seconds.append(time.perf_counter() - started)
+        await call.done_writing()
+    return statistics.median(seconds[round_trips // 10 :])
+
+
+_ECHO = "/specdec.bench.Floor/Echo"
+
+
+async def _serve_floor(port: int, mode: str) -> None:
+    """The floor's echo server (module docstring of `transport_floor`)."""
+    handoff = concurrent.futures.ThreadPoolExecutor(1) if mode == "thread handoff" else None
+
+    async def echo(messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        loop = asyncio.get_running_loop()
+        async for message in messages:
+            if handoff is not None:
+                message = await asyncio.wrap_future(handoff.submit(bytes, message), loop=loop)
+            yield message
+
+    server = grpc.aio.server()
+    method = grpc.stream_stream_rpc_method_handler(echo, request_deserializer=bytes, response_serializer=bytes)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("specdec.bench.Floor", {"Echo": method}),))
+    server.add_insecure_port(f"{LOOPBACK}:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench.host_cpu", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -195,10 +303,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--drive", default="", help=argparse.SUPPRESS)  # the client process
     parser.add_argument("--k", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--policy", default="fixed", help=argparse.SUPPRESS)
+    parser.add_argument("--floor-server", default="", help=argparse.SUPPRESS)  # PORT:MODE, transport_floor's
     args = parser.parse_args(argv)
+    if args.floor_server:
+        port, mode = args.floor_server.split(":", 1)
+        asyncio.run(_serve_floor(int(port), mode))
+        return 0
     if args.drive:
         drive = _drive_http if args.drive.startswith("http") else _drive
-        print(json.dumps(asyncio.run(drive(args.drive, int(args.streams), args.k, args.max_new_tokens))))
+        print(json.dumps(asyncio.run(drive(args.drive, int(args.streams), args.k, args.max_new_tokens, args.policy))))
         return 0
     if args.paths:
         return _paths(args)
@@ -242,11 +356,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 subprocess.run(
                     ["git", "-C", str(repo), "worktree", "remove", "--force", str(trees[OTHER])], check=False
                 )
+    floors = transport_floor()
     print(table(results, list(trees)))
+    print()
+    print(step_table(results, list(trees)))
+    print("\nThe transport's floor on this machine (grpc.aio, loopback, one small message each way, median):")
+    for mode, seconds in floors.items():
+        print(f"- {mode}: {1e6 * seconds:,.0f} µs a round trip")
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
     path = args.out / f"host-cpu-{stamp}.json"
     path.write_text(json.dumps({"meta": {"date": stamp, **{k: str(v) for k, v in vars(args).items()}},
-                                "results": results}, indent=1))  # fmt: skip
+                                "results": results, "transport_floor_seconds": floors}, indent=1))  # fmt: skip
     print(f"\nresults: {path}")
     return 0
 
@@ -254,7 +374,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _paths(args: argparse.Namespace) -> int:
     """The OpenAI API's cost beside gRPC's: the same K = 0 requests through each path, interleaved."""
     from bench.gateway import running_gateway
-    from tools.local_stack import LOOPBACK, free_port
 
     pair = build_null_pair(args.out / "null_pair").resolve()
     http_port = free_port()
@@ -273,7 +392,7 @@ def _paths(args: argparse.Namespace) -> int:
         for rep in range(args.rounds):
             for count in [int(s) for s in args.streams.split(",") if s]:
                 for name, (url, extra) in paths.items():
-                    cell = _cell(stack, count, 0, args.max_new_tokens, url, extra)
+                    cell = _cell(stack, count, CELLS["K = 0"], args.max_new_tokens, url, extra)
                     rows.append({"round": rep, "streams": count, "path": name, **cell})
             print(f"round {rep + 1} of {args.rounds} done", flush=True)
     print("CPU regime, near-null pair, K = 0: medians over rounds; CPU µs per generated token; the last")

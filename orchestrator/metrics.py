@@ -53,6 +53,12 @@ CHOSEN_K = Histogram(
     "K chosen for each round (0: the target alone)",
     buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16),
 )
+# Where a service step's time goes, seen from the orchestrator (README, "Where a step's time goes"):
+# the service's forwards, its queue before the first, its other host work, the transport (the network,
+# gRPC and both event loops: the round trip less the service's own time), and the orchestrator's time
+# between the step's answer and the session's next step (its own work, and any other service's step).
+STEP_SECONDS = Counter("specdec:step_seconds", "Seconds of service steps, by service and part", ["service", "part"])
+STEPS = Counter("specdec:steps", "Service steps answered, by service", ["service"])
 QUEUE_SECONDS = Histogram(
     "specdec:request_queue_seconds", "Time a request waited for a place before it started", buckets=_LATENCY_BUCKETS
 )

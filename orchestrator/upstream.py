@@ -21,6 +21,7 @@ import grpc
 import structlog
 
 from orchestrator.link import Link, LinkLost, LinkMessages, result_failure
+from orchestrator.metrics import STEP_SECONDS, STEPS
 from orchestrator.routing import PrefixIndex, Route, preferred
 from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError, unavailable
 from serving.server import CHANNEL_OPTIONS
@@ -158,6 +159,7 @@ class ReplicaPool:
         self._replicas: dict[str, Replica] = {}
         self._retired: list[Replica] = []  # gone from DNS but still serving pinned sessions
         self._resolver: asyncio.Task[None] | None = None
+        self.clock = StepClock(name)
 
     async def start(self) -> None:
         await self.refresh()
@@ -263,6 +265,31 @@ class Context(Sequence[int]):
         return self.base[index] if index < self.base_len else self.extra[index - self.base_len]
 
 
+class StepClock:
+    """Where one service's steps spend their time (`specdec:step_seconds`), from each answer's Timing
+    and the orchestrator's clock: its children are looked up once, as a label lookup costs more than an
+    increment."""
+
+    PARTS = ("forward", "queue", "service_host", "transport", "between")
+
+    def __init__(self, service: str) -> None:
+        self._steps = STEPS.labels(service)
+        self._parts = [STEP_SECONDS.labels(service, part) for part in self.PARTS]
+
+    def account(self, timing: common_pb2.Timing, round_trip: float, between: float) -> None:
+        """A step answered `round_trip` seconds after it was sent, `between` seconds after the
+        session's last answer (0: its first step, or after a failed one)."""
+        forward, queue = timing.forward_seconds, max(timing.queue_seconds, 0.0)
+        service = max(timing.service_seconds, forward + queue)
+        for counter, seconds in zip(
+            self._parts,
+            (forward, queue, service - forward - queue, max(round_trip - service, 0.0), between),
+            strict=True,
+        ):
+            counter.inc(seconds)
+        self._steps.inc()
+
+
 @dataclass
 class SessionStream(Generic[RequestT, ResponseT]):
     """One session on one replica of a model service, carried by that replica's link, and reopened
@@ -288,6 +315,7 @@ class SessionStream(Generic[RequestT, ResponseT]):
     _link: Link | None = field(default=None, repr=False)
     _session: int = 0
     _closed: bool = False
+    _answered: float = 0.0  # when the session's last step was answered (0: none, or a failure since)
 
     async def step(
         self,
@@ -310,6 +338,7 @@ class SessionStream(Generic[RequestT, ResponseT]):
             assert self._link is not None
             keep = self._keep(context, min_append)
             request = build(keep)
+            sent = time.perf_counter()
             try:
                 result = await self._link.step(self._session, request)
                 failure = result_failure(result)
@@ -320,6 +349,7 @@ class SessionStream(Generic[RequestT, ResponseT]):
                     raise ServiceError(failure.code, f"{self.pool.name} service: {failure.details}")
                 last_error = f"{failure.code.name}: {failure.details}"
                 log.warning("session_lost", service=self.pool.name, replica=self._address, error=last_error)
+                self._answered = 0.0
                 # A cancelled stream (the service closed it for idleness, or drained) is not a sick replica.
                 self._drop(failed=failure.code != grpc.StatusCode.CANCELLED)
                 if attempt < self.attempts:
@@ -332,8 +362,12 @@ class SessionStream(Generic[RequestT, ResponseT]):
                 log.info("cache_miss", service=self.pool.name, replica=self._address)
                 self._forget()
                 self.reopens += 1
+                self._answered = 0.0  # the resend's wait is no turnaround
                 continue
             self.reused_tokens += response.timing.reused_tokens
+            answered = time.perf_counter()
+            self.pool.clock.account(response.timing, answered - sent, sent - self._answered if self._answered else 0.0)
+            self._answered = answered
             cached, base = response.cached_tokens, context.base_len
             self._matched = min(cached, base)
             self._tail = [*context.extra, *(fed_beyond(response) if fed_beyond else ())][: max(cached - base, 0)]

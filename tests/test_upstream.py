@@ -8,9 +8,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from orchestrator.link import LinkMessages
-from orchestrator.upstream import Context, ReplicaPool, SessionStream
+from orchestrator.upstream import Context, ReplicaPool, SessionStream, StepClock
 from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError
 from specdec.v1 import common_pb2, target_pb2
 
@@ -229,3 +230,56 @@ def test_a_links_message_is_split_before_the_size_budget(monkeypatch):
     assert [step.session for chunk in chunks for step in chunk] == [0, 1, 2, 3, 4, 9]
     assert all(sum(s.ByteSize() for s in chunk) <= 1000 for chunk in chunks if len(chunk) > 1)
     assert chunks[-1] == [big] and len(chunks) == 4
+
+
+def _clock(service: str) -> dict[str, float]:
+    """The step clock's counters of `service`, by part, and its steps."""
+    parts = {part: REGISTRY.get_sample_value("specdec:step_seconds_total", {"service": service, "part": part}) or 0.0
+             for part in StepClock.PARTS}  # fmt: skip
+    return {**parts, "steps": REGISTRY.get_sample_value("specdec:steps_total", {"service": service}) or 0.0}
+
+
+def test_a_steps_time_is_split_into_its_parts():
+    """The service's forwards, its queue and its other work come from the answer's Timing; the transport
+    is the round trip less the service's own time; nothing is counted below zero."""
+    clock = StepClock("clock-test")
+    timing = common_pb2.Timing(forward_seconds=0.003, queue_seconds=0.001, service_seconds=0.006)
+    clock.account(timing, round_trip=0.010, between=0.002)
+    parts = _clock("clock-test")
+    assert parts == pytest.approx(
+        {"forward": 0.003, "queue": 0.001, "service_host": 0.002, "transport": 0.004, "between": 0.002, "steps": 1}
+    )
+    # A service that reports less time than its forwards and queue (its clock read before them), and a
+    # round trip shorter than the service's time (clocks apart): both parts stay at zero.
+    clock.account(common_pb2.Timing(forward_seconds=0.003, queue_seconds=-1.0, service_seconds=0.001), 0.002, 0.0)
+    after = _clock("clock-test")
+    assert after["service_host"] == pytest.approx(0.002) and after["transport"] == pytest.approx(0.004)
+    assert after["forward"] == pytest.approx(0.006) and after["queue"] == pytest.approx(0.001)
+
+
+def test_a_session_counts_the_time_between_its_answer_and_its_next_step():
+    """Answered steps are counted, with the wait between a session's answer and its next step (none for
+    its first); a step lost with its link counts only as resent."""
+    opened: list[_Call] = []
+
+    def open_link() -> _Call:
+        opened.append(_Call(_error(grpc.StatusCode.UNAVAILABLE, "Socket closed") if not opened else None))
+        return opened[-1]
+
+    async def run() -> None:
+        pool = ReplicaPool("clocked", "127.0.0.1:1,127.0.0.1:2", lambda channel: open_link, LINK, 60.0)
+        await pool.start()
+        stream: Stream = SessionStream(pool, request_id="r1", attempts=2, backoff_s=0.0)
+        try:
+            await stream.step(Context([1, 2]), lambda keep: target_pb2.VerifyRequest(keep=keep))
+            first = _clock("clocked")
+            assert first["steps"] == 1 and first["between"] == 0.0  # the lost attempt is not a step
+            await asyncio.sleep(0.05)
+            await stream.step(Context([1, 2, 3]), lambda keep: target_pb2.VerifyRequest(keep=keep))
+        finally:
+            await pool.close()
+
+    asyncio.run(run())
+    parts = _clock("clocked")
+    assert parts["steps"] == 2 and parts["between"] >= 0.05
+    assert parts["transport"] > 0.0 and parts["forward"] == 0.0  # the fake replica reports no Timing
