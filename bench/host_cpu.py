@@ -283,7 +283,12 @@ async def _serve_floor(port: int, mode: str) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("specdec.bench.Floor", {"Echo": method}),))
     server.add_insecure_port(f"{LOOPBACK}:{port}")
     await server.start()
-    await server.wait_for_termination()
+    try:
+        await server.wait_for_termination()
+    finally:
+        await server.stop(None)
+        if handoff is not None:
+            handoff.shutdown(wait=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

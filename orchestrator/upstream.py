@@ -267,27 +267,42 @@ class Context(Sequence[int]):
 
 class StepClock:
     """Where one service's steps spend their time (`specdec:step_seconds`), from each answer's Timing
-    and the orchestrator's clock: its children are looked up once, as a label lookup costs more than an
-    increment."""
+    and the orchestrator's clock. Summed here and added to the counters every FLUSH_STEPS steps, with
+    their count, so that a scrape's means are over whole flushes: 0.56 µs a step, where five counter
+    increments cost 2.29 µs, about 3% of a token's orchestrator CPU at 64 streams (near-null pair)."""
 
     PARTS = ("forward", "queue", "service_host", "transport", "between")
+    FLUSH_STEPS = 32
 
     def __init__(self, service: str) -> None:
         self._steps = STEPS.labels(service)
         self._parts = [STEP_SECONDS.labels(service, part) for part in self.PARTS]
+        self._sums = [0.0] * len(self.PARTS)
+        self._count = 0
 
     def account(self, timing: common_pb2.Timing, round_trip: float, between: float) -> None:
         """A step answered `round_trip` seconds after it was sent, `between` seconds after the
         session's last answer (0: its first step, or after a failed one)."""
-        forward, queue = timing.forward_seconds, max(timing.queue_seconds, 0.0)
+        # Every part at least 0: a counter refuses a negative increment, and (a + b) - a - b may be -1e-17.
+        forward, queue = max(timing.forward_seconds, 0.0), max(timing.queue_seconds, 0.0)
         service = max(timing.service_seconds, forward + queue)
-        for counter, seconds in zip(
-            self._parts,
-            (forward, queue, service - forward - queue, max(round_trip - service, 0.0), between),
-            strict=True,
-        ):
+        sums = self._sums
+        sums[0] += forward
+        sums[1] += queue
+        sums[2] += max(service - forward - queue, 0.0)
+        sums[3] += max(round_trip - service, 0.0)
+        sums[4] += max(between, 0.0)
+        self._count += 1
+        if self._count >= self.FLUSH_STEPS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Add what was summed since the last flush to the counters."""
+        for counter, seconds in zip(self._parts, self._sums, strict=True):
             counter.inc(seconds)
-        self._steps.inc()
+        self._steps.inc(self._count)
+        self._sums = [0.0] * len(self.PARTS)
+        self._count = 0
 
 
 @dataclass
@@ -366,6 +381,7 @@ class SessionStream(Generic[RequestT, ResponseT]):
                 continue
             self.reused_tokens += response.timing.reused_tokens
             answered = time.perf_counter()
+            # A step sent before the last was answered (the draft's, drafted ahead) waited for nothing.
             self.pool.clock.account(response.timing, answered - sent, sent - self._answered if self._answered else 0.0)
             self._answered = answered
             cached, base = response.cached_tokens, context.base_len

@@ -241,10 +241,13 @@ def _clock(service: str) -> dict[str, float]:
 
 def test_a_steps_time_is_split_into_its_parts():
     """The service's forwards, its queue and its other work come from the answer's Timing; the transport
-    is the round trip less the service's own time; nothing is counted below zero."""
+    is the round trip less the service's own time; nothing is counted below zero; the counters move
+    at a flush, every StepClock.FLUSH_STEPS steps."""
     clock = StepClock("clock-test")
     timing = common_pb2.Timing(forward_seconds=0.003, queue_seconds=0.001, service_seconds=0.006)
     clock.account(timing, round_trip=0.010, between=0.002)
+    assert _clock("clock-test")["steps"] == 0  # summed until a flush: a scrape's means are over whole flushes
+    clock.flush()
     parts = _clock("clock-test")
     assert parts == pytest.approx(
         {"forward": 0.003, "queue": 0.001, "service_host": 0.002, "transport": 0.004, "between": 0.002, "steps": 1}
@@ -252,9 +255,20 @@ def test_a_steps_time_is_split_into_its_parts():
     # A service that reports less time than its forwards and queue (its clock read before them), and a
     # round trip shorter than the service's time (clocks apart): both parts stay at zero.
     clock.account(common_pb2.Timing(forward_seconds=0.003, queue_seconds=-1.0, service_seconds=0.001), 0.002, 0.0)
+    clock.flush()
     after = _clock("clock-test")
     assert after["service_host"] == pytest.approx(0.002) and after["transport"] == pytest.approx(0.004)
     assert after["forward"] == pytest.approx(0.006) and after["queue"] == pytest.approx(0.001)
+    # A service time of exactly its forward and queue, whose difference rounds below 0 in floating point
+    # ((0.3 + 0.4) - 0.3 - 0.4 < 0), and a step sent before the last was answered: nothing negative.
+    assert (0.3 + 0.4) - 0.3 - 0.4 < 0
+    clock.account(common_pb2.Timing(forward_seconds=0.3, queue_seconds=0.4, service_seconds=0.3 + 0.4), 0.8, -0.001)
+    clock.flush()  # a counter raises on a negative increment (it failed a request before the clamp)
+    rounded = _clock("clock-test")
+    assert rounded["service_host"] == after["service_host"] and rounded["between"] == after["between"]
+    for _ in range(StepClock.FLUSH_STEPS):
+        clock.account(timing, round_trip=0.010, between=0.002)
+    assert _clock("clock-test")["steps"] == 3 + StepClock.FLUSH_STEPS  # flushed without being asked
 
 
 def test_a_session_counts_the_time_between_its_answer_and_its_next_step():
@@ -272,10 +286,12 @@ def test_a_session_counts_the_time_between_its_answer_and_its_next_step():
         stream: Stream = SessionStream(pool, request_id="r1", attempts=2, backoff_s=0.0)
         try:
             await stream.step(Context([1, 2]), lambda keep: target_pb2.VerifyRequest(keep=keep))
+            pool.clock.flush()
             first = _clock("clocked")
             assert first["steps"] == 1 and first["between"] == 0.0  # the lost attempt is not a step
             await asyncio.sleep(0.05)
             await stream.step(Context([1, 2, 3]), lambda keep: target_pb2.VerifyRequest(keep=keep))
+            pool.clock.flush()
         finally:
             await pool.close()
 

@@ -1,0 +1,66 @@
+"""bench/host_cpu.py: each cell asks for its own policy, and the transport's floor is measured."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from bench.host_cpu import CELLS, REQUESTS_PER_STREAM, _drive, _ping, _serve_floor
+from serving.protocol import POLICY_BY_NAME
+from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from tools.local_stack import LOOPBACK, free_port
+
+
+class _Recording(orchestrator_pb2_grpc.OrchestratorServicer):
+    """Answers every Generate with one token, and keeps the requests."""
+
+    def __init__(self) -> None:
+        self.requests: list[orchestrator_pb2.GenerateRequest] = []
+
+    async def Generate(
+        self, request: orchestrator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
+        self.requests.append(request)
+        yield orchestrator_pb2.GenerateResponse(token_ids=[7])
+
+
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_each_cell_asks_for_its_own_policy(cell):
+    """The fixed K = 4 cell once set K alone, and the orchestrator's default policy (load_aware) ran it."""
+    k, policy = CELLS[cell]
+
+    async def run() -> list[orchestrator_pb2.GenerateRequest]:
+        servicer = _Recording()
+        server = grpc.aio.server()
+        orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, server)
+        port = server.add_insecure_port(f"{LOOPBACK}:0")
+        await server.start()
+        try:
+            driven = await _drive(f"{LOOPBACK}:{port}", 2, k, 8, policy)
+        finally:
+            await server.stop(None)
+        assert driven["tokens"] == 2 * REQUESTS_PER_STREAM  # the warm-up request is not counted
+        return servicer.requests
+
+    requests = asyncio.run(run())
+    assert len(requests) == 3 * REQUESTS_PER_STREAM
+    assert {(r.num_speculative_tokens, r.speculation_policy) for r in requests} == {(k, POLICY_BY_NAME[policy])}
+
+
+@pytest.mark.parametrize("mode", ["bare", "thread handoff"])
+def test_the_transports_floor_is_a_round_trip_measured(mode):
+    async def run() -> float:
+        port = free_port()
+        serving = asyncio.create_task(_serve_floor(port, mode))
+        try:
+            return await _ping(f"{LOOPBACK}:{port}", 50)
+        finally:
+            serving.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await serving
+
+    assert 0 < asyncio.run(run()) < 1.0
