@@ -11,15 +11,13 @@ forward seconds from its metrics; one torch thread, so a forward's wall is its C
 
 Each stream sends 3 requests of 64 tokens back to back (token-id prompts, `ignore_eos`, greedy). Cells:
 the target alone (K = 0), fixed K = 4 and `load_aware` with K up to 4 (the orchestrator's default
-policy), with the identical draft, at each stream count. (Before this release the fixed K = 4 cell sent
-no policy, so it ran `load_aware`.)
+policy), with the identical draft, at each stream count; each request names its policy.
 
 A second table gives where a target step's time went, from the orchestrator's step clock
 (`specdec:step_seconds`): the service's forwards, its queue before the first, its other host work, the
 transport (the round trip less the service's own time: the network, gRPC, and both processes' event
 loops), and the time between the step's answer and the session's next step. Last, the transport's
-floor on this machine: a bare grpc.aio round trip between two processes, and one with a thread handoff
-in the server, as a model service's engine makes.
+floor on this machine (bench/floor.py).
 
 `--against REV` runs another revision's services and orchestrator beside this tree's (a git worktree,
 as bench.compare makes one), and the cells alternate between the trees round by round; the table then
@@ -30,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import contextlib
 import datetime
 import json
@@ -40,16 +37,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from bench.compare import geomean, interval, worktree
-from bench.load import _process_cpu, metric_totals, outside_scrapes
+from bench.floor import transport_floor
+from bench.load import _forward_seconds, _process_cpu, metric_totals, outside_scrapes
 from bench.null_pair import build_null_pair
-from orchestrator.upstream import StepClock
+from orchestrator.step_timing import StepClock
 from serving.protocol import POLICY_BY_NAME
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from tools.local_stack import LOOPBACK, LocalStack, free_port
@@ -128,10 +126,10 @@ def _cell(
     ports = stack.metrics_ports
 
     def scrape() -> dict[str, float]:
-        forwards = metric_totals(ports["target"], "specdec:engine_forward_seconds_sum")
         clock = metric_totals(ports["orchestrator"], "specdec:step_seconds_total", "service", "part")
         steps = metric_totals(ports["orchestrator"], "specdec:steps_total")
-        return {"target forwards": forwards.get("target", 0.0), "target steps": steps.get("target", 0.0),
+        return {"target forwards": _forward_seconds(ports["target"]).get("target", 0.0),
+                "target steps": steps.get("target", 0.0),
                 **{part: clock.get(f"target:{part}", 0.0) for part in StepClock.PARTS}}  # fmt: skip
 
     def usage(before: bool) -> dict[str, float]:
@@ -183,9 +181,7 @@ def table(results: list[dict[str, Any]], trees: Sequence[str]) -> str:
         "| streams | cell | tree | tok/s | " + " | ".join(PROCESSES) + " |",
         "|---|---|---|---|" + "---|" * len(PROCESSES),
     ]
-    cells: dict[tuple[int, str], list[dict[str, Any]]] = {}
-    for result in results:
-        cells.setdefault((result["streams"], result["cell"]), []).append(result)
+    cells = _by_cell(results)
     for (streams, cell), group in cells.items():
         medians = {}
         for tree in trees:
@@ -211,6 +207,14 @@ def table(results: list[dict[str, Any]], trees: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def _by_cell(results: list[dict[str, Any]]) -> dict[tuple[int, str], list[dict[str, Any]]]:
+    """The rounds' results of each (streams, cell), in the order first run."""
+    cells: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for result in results:
+        cells.setdefault((result["streams"], result["cell"]), []).append(result)
+    return cells
+
+
 def step_table(results: list[dict[str, Any]], trees: Sequence[str]) -> str:
     """Where a target step's time went (the orchestrator's step clock), medians over rounds."""
     lines = [
@@ -219,9 +223,7 @@ def step_table(results: list[dict[str, Any]], trees: Sequence[str]) -> str:
         "| streams | cell | tree | " + " | ".join(StepClock.PARTS) + " |",
         "|---|---|---|" + "---|" * len(StepClock.PARTS),
     ]
-    cells: dict[tuple[int, str], list[dict[str, Any]]] = {}
-    for result in results:
-        cells.setdefault((result["streams"], result["cell"]), []).append(result)
+    cells = _by_cell(results)
     for (streams, cell), group in cells.items():
         for tree in trees:
             runs = [r[tree]["us_per_step"] for r in group if r[tree].get("us_per_step")]
@@ -229,66 +231,6 @@ def step_table(results: list[dict[str, Any]], trees: Sequence[str]) -> str:
                 row = " | ".join(f"{statistics.median(r[part] for r in runs):,.0f}" for part in StepClock.PARTS)
                 lines.append(f"| {streams} | {cell} | {tree} | {row} |")
     return "\n".join(lines)
-
-
-def transport_floor(round_trips: int = 2000, repetitions: int = 3) -> dict[str, float]:
-    """The median round trip of one small message over a grpc.aio bidirectional stream on loopback,
-    between two processes and nothing else: answered in the handler (`bare`), and handed to a thread
-    and back to the event loop first, as a model service's engine thread does (`thread handoff`). No
-    step of the services can take less than the second. Medians over interleaved repetitions."""
-    floors: dict[str, list[float]] = {"bare": [], "thread handoff": []}
-    for _ in range(repetitions):
-        for mode, seconds in floors.items():
-            port = free_port()
-            server = subprocess.Popen([sys.executable, "-m", "bench.host_cpu", "--floor-server", f"{port}:{mode}"])
-            try:
-                seconds.append(asyncio.run(_ping(f"{LOOPBACK}:{port}", round_trips)))
-            finally:
-                server.terminate()
-                server.wait(timeout=10)
-    return {mode: statistics.median(seconds) for mode, seconds in floors.items()}
-
-
-async def _ping(address: str, round_trips: int) -> float:
-    """Median seconds from writing a message to reading its echo, after a warm-up of a tenth."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        await asyncio.wait_for(channel.channel_ready(), timeout=30)
-        call = channel.stream_stream(_ECHO, request_serializer=bytes, response_deserializer=bytes)()
-        seconds = []
-        for _ in range(round_trips):
-            started = time.perf_counter()
-            await call.write(b"x" * 64)
-            await call.read()
-            seconds.append(time.perf_counter() - started)
-        await call.done_writing()
-    return statistics.median(seconds[round_trips // 10 :])
-
-
-_ECHO = "/specdec.bench.Floor/Echo"
-
-
-async def _serve_floor(port: int, mode: str) -> None:
-    """The floor's echo server (module docstring of `transport_floor`)."""
-    handoff = concurrent.futures.ThreadPoolExecutor(1) if mode == "thread handoff" else None
-
-    async def echo(messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        loop = asyncio.get_running_loop()
-        async for message in messages:
-            if handoff is not None:
-                message = await asyncio.wrap_future(handoff.submit(bytes, message), loop=loop)
-            yield message
-
-    server = grpc.aio.server()
-    method = grpc.stream_stream_rpc_method_handler(echo, request_deserializer=bytes, response_serializer=bytes)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("specdec.bench.Floor", {"Echo": method}),))
-    server.add_insecure_port(f"{LOOPBACK}:{port}")
-    await server.start()
-    try:
-        await server.wait_for_termination()
-    finally:
-        await server.stop(None)
-        if handoff is not None:
-            handoff.shutdown(wait=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -309,12 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--drive", default="", help=argparse.SUPPRESS)  # the client process
     parser.add_argument("--k", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--policy", default="fixed", help=argparse.SUPPRESS)
-    parser.add_argument("--floor-server", default="", help=argparse.SUPPRESS)  # PORT:MODE, transport_floor's
     args = parser.parse_args(argv)
-    if args.floor_server:
-        port, mode = args.floor_server.split(":", 1)
-        asyncio.run(_serve_floor(int(port), mode))
-        return 0
     if args.drive:
         drive = _drive_http if args.drive.startswith("http") else _drive
         print(json.dumps(asyncio.run(drive(args.drive, int(args.streams), args.k, args.max_new_tokens, args.policy))))

@@ -354,9 +354,9 @@ def _forward_seconds(port: int) -> dict[str, float]:
 
 
 def outside_scrapes(before: bool, cpu: Callable[[], CpuT], scrape: Callable[[], ScrapeT]) -> tuple[CpuT, ScrapeT]:
-    """The processes' CPU and the services' metrics, read so that the scrape falls outside the run
-    measured (a scrape costs the scraped service about 1.5 ms of CPU here; the sim bench's five a
-    service were 15 µs a token in a cell of 512 tokens): scraped first `before` a run, last after it."""
+    """The processes' CPU and the services' metrics, read so that the scrape, which costs the scraped
+    service CPU of its own (README, "Benchmarks in a GPU's regime: modeled device time"), falls
+    outside the run measured: scraped first `before` a run, last after it."""
     if before:
         scraped = scrape()
         return cpu(), scraped

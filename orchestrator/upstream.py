@@ -21,8 +21,8 @@ import grpc
 import structlog
 
 from orchestrator.link import Link, LinkLost, LinkMessages, result_failure
-from orchestrator.metrics import STEP_SECONDS, STEPS
 from orchestrator.routing import PrefixIndex, Route, preferred
+from orchestrator.step_timing import StepClock
 from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError, unavailable
 from serving.server import CHANNEL_OPTIONS
 from serving.tensors import WireFormatError
@@ -265,46 +265,6 @@ class Context(Sequence[int]):
         return self.base[index] if index < self.base_len else self.extra[index - self.base_len]
 
 
-class StepClock:
-    """Where one service's steps spend their time (`specdec:step_seconds`), from each answer's Timing
-    and the orchestrator's clock. Summed here and added to the counters every FLUSH_STEPS steps, with
-    their count, so that a scrape's means are over whole flushes: 0.56 µs a step, where five counter
-    increments cost 2.29 µs, about 3% of a token's orchestrator CPU at 64 streams (near-null pair)."""
-
-    PARTS = ("forward", "queue", "service_host", "transport", "between")
-    FLUSH_STEPS = 32
-
-    def __init__(self, service: str) -> None:
-        self._steps = STEPS.labels(service)
-        self._parts = [STEP_SECONDS.labels(service, part) for part in self.PARTS]
-        self._sums = [0.0] * len(self.PARTS)
-        self._count = 0
-
-    def account(self, timing: common_pb2.Timing, round_trip: float, between: float) -> None:
-        """A step answered `round_trip` seconds after it was sent, `between` seconds after the
-        session's last answer (0: its first step, or after a failed one)."""
-        # Every part at least 0: a counter refuses a negative increment, and (a + b) - a - b may be -1e-17.
-        forward, queue = max(timing.forward_seconds, 0.0), max(timing.queue_seconds, 0.0)
-        service = max(timing.service_seconds, forward + queue)
-        sums = self._sums
-        sums[0] += forward
-        sums[1] += queue
-        sums[2] += max(service - forward - queue, 0.0)
-        sums[3] += max(round_trip - service, 0.0)
-        sums[4] += max(between, 0.0)
-        self._count += 1
-        if self._count >= self.FLUSH_STEPS:
-            self.flush()
-
-    def flush(self) -> None:
-        """Add what was summed since the last flush to the counters."""
-        for counter, seconds in zip(self._parts, self._sums, strict=True):
-            counter.inc(seconds)
-        self._steps.inc(self._count)
-        self._sums = [0.0] * len(self.PARTS)
-        self._count = 0
-
-
 @dataclass
 class SessionStream(Generic[RequestT, ResponseT]):
     """One session on one replica of a model service, carried by that replica's link, and reopened
@@ -330,7 +290,7 @@ class SessionStream(Generic[RequestT, ResponseT]):
     _link: Link | None = field(default=None, repr=False)
     _session: int = 0
     _closed: bool = False
-    _answered: float = 0.0  # when the session's last step was answered (0: none, or a failure since)
+    _answered: float = 0.0  # when the session's last step was answered (0: none since it was opened)
 
     async def step(
         self,
@@ -364,7 +324,6 @@ class SessionStream(Generic[RequestT, ResponseT]):
                     raise ServiceError(failure.code, f"{self.pool.name} service: {failure.details}")
                 last_error = f"{failure.code.name}: {failure.details}"
                 log.warning("session_lost", service=self.pool.name, replica=self._address, error=last_error)
-                self._answered = 0.0
                 # A cancelled stream (the service closed it for idleness, or drained) is not a sick replica.
                 self._drop(failed=failure.code != grpc.StatusCode.CANCELLED)
                 if attempt < self.attempts:
@@ -377,11 +336,9 @@ class SessionStream(Generic[RequestT, ResponseT]):
                 log.info("cache_miss", service=self.pool.name, replica=self._address)
                 self._forget()
                 self.reopens += 1
-                self._answered = 0.0  # the resend's wait is no turnaround
                 continue
             self.reused_tokens += response.timing.reused_tokens
             answered = time.perf_counter()
-            # A step sent before the last was answered (the draft's, drafted ahead) waited for nothing.
             self.pool.clock.account(response.timing, answered - sent, sent - self._answered if self._answered else 0.0)
             self._answered = answered
             cached, base = response.cached_tokens, context.base_len
@@ -407,7 +364,8 @@ class SessionStream(Generic[RequestT, ResponseT]):
         return max(keep, 0)
 
     def _forget(self) -> None:
-        self._matched, self._tail = 0, []
+        """The replica holds nothing of the session (a new or reopened one): no last answer either."""
+        self._matched, self._tail, self._answered = 0, [], 0.0
 
     @property
     def where(self) -> Place:

@@ -11,7 +11,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from orchestrator.link import LinkMessages
-from orchestrator.upstream import Context, ReplicaPool, SessionStream, StepClock
+from orchestrator.step_timing import StepClock
+from orchestrator.upstream import Context, ReplicaPool, SessionStream
 from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError
 from specdec.v1 import common_pb2, target_pb2
 
