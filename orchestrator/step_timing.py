@@ -1,10 +1,18 @@
-"""A service step's timing as the orchestrator reads it: where the step's time went, for the
-`specdec:step_seconds` metric (README, "Where a step's time goes")."""
+"""A service step's timing as the orchestrator reads it: checked where the answer arrives, and split
+into where the step's time went, for the `specdec:step_seconds` metric (README, "Where a step's time
+goes")."""
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
+import structlog
+
 from orchestrator.metrics import STEP_SECONDS, STEPS
 from specdec.v1 import common_pb2
+
+log = structlog.get_logger(__name__)
 
 
 class StepClock:
@@ -16,10 +24,20 @@ class StepClock:
     FLUSH_STEPS = 32
 
     def __init__(self, service: str) -> None:
+        self.service = service
         self._steps = STEPS.labels(service)
         self._parts = [STEP_SECONDS.labels(service, part) for part in self.PARTS]
         self._sums = [0.0] * len(self.PARTS)
         self._count = 0
+
+    def check(self, response: Any, replica: str) -> None:
+        """Clear an answer's timing if a figure in it is not finite. The step times every request's K
+        reads (orchestrator/goodput.py) and this clock are shared: one NaN from a faulty replica would
+        stay in their running means for good, for every request."""
+        timing = response.timing
+        if not all(map(math.isfinite, (timing.forward_seconds, timing.service_seconds, timing.queue_seconds))):
+            log.warning("timing_refused", service=self.service, replica=replica, timing=str(timing).replace("\n", " "))
+            response.ClearField("timing")
 
     def account(self, timing: common_pb2.Timing, round_trip: float, between: float) -> None:
         """A step answered `round_trip` seconds after it was sent, `between` seconds after the

@@ -337,6 +337,7 @@ class SessionStream(Generic[RequestT, ResponseT]):
                 self._forget()
                 self.reopens += 1
                 continue
+            self.pool.clock.check(response, self._address)
             self.reused_tokens += response.timing.reused_tokens
             answered = time.perf_counter()
             self.pool.clock.account(response.timing, answered - sent, sent - self._answered if self._answered else 0.0)

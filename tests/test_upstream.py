@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -10,6 +11,7 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
+from orchestrator.goodput import StepTimes
 from orchestrator.link import LinkMessages
 from orchestrator.step_timing import StepClock
 from orchestrator.upstream import Context, ReplicaPool, SessionStream
@@ -28,6 +30,7 @@ class _Call:
         self.error = error
         self.cancelled = False
         self.cancelled_before_close = False
+        self.timing: common_pb2.Timing | None = None  # what each OK answer reports, if anything
         self._sessions: asyncio.Queue[tuple[int, int]] = asyncio.Queue()  # (session, tokens it holds)
 
     async def write(self, batch: target_pb2.VerifyBatch) -> None:
@@ -51,6 +54,8 @@ class _Call:
             else:
                 result.response.result = common_pb2.SESSION_RESULT_OK
                 result.response.cached_tokens = held
+                if self.timing is not None:
+                    result.response.timing.CopyFrom(self.timing)
             yield target_pb2.VerifyResults(results=[result])
 
     def cancel(self) -> None:
@@ -300,3 +305,33 @@ def test_a_session_counts_the_time_between_its_answer_and_its_next_step():
     parts = _clock("clocked")
     assert parts["steps"] == 2 and parts["between"] >= 0.05
     assert parts["transport"] > 0.0 and parts["forward"] == 0.0  # the fake replica reports no Timing
+
+
+@pytest.mark.parametrize("figure", ["forward_seconds", "service_seconds", "queue_seconds"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_timing_that_is_not_finite_is_cleared_before_anything_shared_reads_it(figure, value):
+    """The step times every request's K reads, and the step clock, are shared running means: one
+    answer's NaN would stay in them for every later request. Such a timing is cleared where the answer
+    arrives, and the request goes on."""
+    call = _Call(None)
+    call.timing = common_pb2.Timing(forward_seconds=0.004, service_seconds=0.005, batch_size=2, batch_tokens=2)
+    setattr(call.timing, figure, value)
+
+    async def run() -> target_pb2.VerifyResponse:
+        pool = ReplicaPool(f"finite-{figure}-{value}", "127.0.0.1:1", lambda channel: lambda: call, LINK, 60.0)
+        await pool.start()
+        stream: Stream = SessionStream(pool, request_id="r1")
+        try:
+            stepped = await stream.step(Context([1, 2]), lambda keep: target_pb2.VerifyRequest(keep=keep))
+            pool.clock.flush()
+        finally:
+            await pool.close()
+        return stepped.response
+
+    response = asyncio.run(run())
+    assert response.result == common_pb2.SESSION_RESULT_OK and not response.HasField("timing")
+    parts = _clock(f"finite-{figure}-{value}")
+    assert parts["steps"] == 1 and all(math.isfinite(seconds) for seconds in parts.values())
+    times = StepTimes(common_pb2.ModelInfo(forward_costs=[common_pb2.ForwardCost(batch_tokens=1, seconds=0.004)]), None)
+    times.target.observe(response.timing)
+    assert math.isfinite(times.target.stretch) and math.isfinite(times.target.others)
