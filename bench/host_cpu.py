@@ -45,7 +45,7 @@ import grpc
 
 from bench.compare import geomean, interval, worktree
 from bench.floor import transport_floor
-from bench.load import _forward_seconds, _process_cpu, metric_totals, outside_scrapes
+from bench.load import _forward_seconds, _process_cpu, outside_scrapes, scrape, totals
 from bench.null_pair import build_null_pair
 from orchestrator.step_timing import StepClock
 from serving.protocol import POLICY_BY_NAME
@@ -125,16 +125,19 @@ def _cell(
     measure, by name), and where a target step's time went."""
     ports = stack.metrics_ports
 
-    def scrape() -> dict[str, float]:
-        clock = metric_totals(ports["orchestrator"], "specdec:step_seconds_total", "service", "part")
-        steps = metric_totals(ports["orchestrator"], "specdec:steps_total")
+    def read_metrics() -> dict[str, float]:
+        text = scrape(ports["orchestrator"])
+        clock = totals(text, "specdec:step_seconds_total", "service", "part")
+        steps = totals(text, "specdec:steps_total")
         return {"target forwards": _forward_seconds(ports["target"]).get("target", 0.0),
                 "target steps": steps.get("target", 0.0),
                 **{part: clock.get(f"target:{part}", 0.0) for part in StepClock.PARTS}}  # fmt: skip
 
     def usage(before: bool) -> dict[str, float]:
         cpu, scraped = outside_scrapes(
-            before, lambda: {name: _process_cpu(pid) for name, pid in {**stack.pids, **(extra or {})}.items()}, scrape
+            before,
+            lambda: {name: _process_cpu(pid) for name, pid in {**stack.pids, **(extra or {})}.items()},
+            read_metrics,
         )
         return {**cpu, **scraped}
 

@@ -334,18 +334,28 @@ def _process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def metric_totals(port: int, name: str, *labels: str) -> dict[str, float]:
-    """A counter's (or a histogram's `_sum`) value so far by the values of `labels` (default: service),
-    joined with ':' and summed over the others, from a Prometheus port."""
+def scrape(port: int) -> str:
+    """A Prometheus port's metrics, as text: read once for every metric a reading needs (a scrape costs
+    the scraped process CPU)."""
     import urllib.request
 
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    totals: dict[str, float] = {}
+    return str(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
+
+
+def totals(text: str, name: str, *labels: str) -> dict[str, float]:
+    """A counter's (or a histogram's `_sum`) value in a scrape by the values of `labels` (default:
+    service), joined with ':' and summed over the others."""
+    found: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith(name + "{"):
             key = ":".join(line.split(f'{label}="')[1].split('"')[0] for label in labels or ("service",))
-            totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-    return totals
+            found[key] = found.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def metric_totals(port: int, name: str, *labels: str) -> dict[str, float]:
+    """`totals` of one metric, from a scrape of its own."""
+    return totals(scrape(port), name, *labels)
 
 
 def _forward_seconds(port: int) -> dict[str, float]:

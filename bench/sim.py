@@ -48,10 +48,11 @@ from bench.load import (
     LoadConfig,
     LoadSample,
     _process_cpu,
-    metric_totals,
     outside_scrapes,
     percentile,
     run_services,
+    scrape,
+    totals,
 )
 from bench.sim_pair import build_sim_pair
 from default_models.prompts import held_out_prompts
@@ -146,20 +147,19 @@ def _usage(stack: LocalStack, before: bool) -> dict[str, float]:
 def _scrape(stack: LocalStack) -> dict[str, float]:
     """The services' simulation and speculation counters, so far."""
     usage: dict[str, float] = {}
-    for service in SERVICES:
-        port = stack.metrics_ports[service]
+    texts = {service: scrape(stack.metrics_ports[service]) for service in SERVICES}
+    for service, text in texts.items():
         for key, metric in (
             ("stand_in", "specdec:simulated_stand_in_cpu_seconds_total"),
             ("forwards", "specdec:simulated_forwards_total"),
             ("overruns", "specdec:simulated_overrun_forwards_total"),
         ):
-            usage[f"{key}:{service}"] = metric_totals(port, metric).get(service, 0.0)
-    draft_port = stack.metrics_ports["draft"]
+            usage[f"{key}:{service}"] = totals(text, metric).get(service, 0.0)
     for metric, label in (
         ("specdec:speculation_steps_total", "outcome"),
         ("specdec:speculation_drafted_tokens_total", "use"),
     ):
-        for value, total in metric_totals(draft_port, metric, label).items():
+        for value, total in totals(texts["draft"], metric, label).items():
             usage[f"speculation:{value}"] = total
     return usage
 

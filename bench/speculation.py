@@ -25,7 +25,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from bench.load import LoadConfig, metric_totals, run_services
+from bench.load import LoadConfig, run_services, scrape, totals
 from default_models.prompts import held_out_prompts
 from tools.local_stack import LocalStack
 
@@ -35,11 +35,11 @@ DRAFT_DEVICE = "h100-llama-3.2-1b"
 
 def _counts(stack: LocalStack) -> dict[str, float]:
     """The draft's cache counts so far: steps by outcome, and by outcome and verdict; tokens by use."""
-    port = stack.metrics_ports["draft"]
+    text = scrape(stack.metrics_ports["draft"])
     steps = "specdec:speculation_steps_total"
-    counts = {f"steps:{k}": v for k, v in metric_totals(port, steps, "outcome").items()}
-    counts.update(metric_totals(port, steps, "outcome", "verdict"))
-    used = metric_totals(port, "specdec:speculation_drafted_tokens_total", "use")
+    counts = {f"steps:{k}": v for k, v in totals(text, steps, "outcome").items()}
+    counts.update(totals(text, steps, "outcome", "verdict"))
+    used = totals(text, "specdec:speculation_drafted_tokens_total", "use")
     counts.update({f"tokens:{k}": v for k, v in used.items()})
     return counts
 
