@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -52,6 +53,7 @@ from bench.load import (
     summarise_load,
 )
 from default_models.prompts import held_out_prompts
+from model_host.forward import Forward
 from model_host.loading import LoadedModel
 from model_host.profile import PROFILE_PREFIX_TOKENS
 from model_host.simulated import hf_decode_kernels, modeled_curve, profile_named
@@ -169,6 +171,22 @@ def greedy_agreement(target: LlamaForCausalLM, draft: LlamaForCausalLM, prompts:
     return same / total
 
 
+def answer_waits_for_next_forward(device: str, answering: bool = True) -> bool:
+    """Whether the event loop's read of finished logits (`Forward.answering`, or the default stream if
+    not `answering`) waits for a forward the engine queued after them. The forward is stood in for by a
+    kernel that spins on the default stream for about half a second."""
+    forward = Forward()
+    forward.device = torch.device(device)
+    logits = torch.randn(64, 4096, device=device)
+    torch.cuda.synchronize(forward.device)
+    torch.cuda._sleep(1_000_000_000)  # the next forward, queued as the engine's thread queues one
+    with forward.answering() if answering else contextlib.nullcontext():
+        logits.argmax(dim=-1).tolist()
+    waited = torch.cuda.default_stream(forward.device).query()  # the stand-in has finished
+    torch.cuda.synchronize(forward.device)
+    return waited
+
+
 def target_costs(address: str) -> list[tuple[int, float]]:
     """The target service's measured forward-cost curve: (batch tokens, seconds)."""
     with grpc.insecure_channel(address) as channel:
@@ -263,6 +281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"unrelated draft {sizes['unrelated'] / 1e6:.0f}M",
             flush=True,
         )
+        if args.device.startswith("cuda"):
+            waits = answer_waits_for_next_forward(args.device)
+            print(f"an answer read while the next forward runs waits for it: {'yes (a bug)' if waits else 'no'}")
         service_args = ["--device", args.device, "--dtype", dtype_name]
         samples: list[LoadSample] = []
         logs = args.out / "gpu-logs"

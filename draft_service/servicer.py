@@ -252,7 +252,8 @@ class DraftServicer(
             if step_number == entry.fetch.step_number and entry.fetch.index < rows.shape[0]:
                 index = entry.fetch.index
                 try:
-                    result.fetched.row.CopyFrom(rows_to_wire(rows[index : index + 1], params))
+                    with self.engine.forward.answering():  # not behind the draft's next forward
+                        result.fetched.row.CopyFrom(rows_to_wire(rows[index : index + 1], params))
                     result.fetched.held = True
                 except Exception:
                     log.exception("row_fetch_failed", request_id=session.request_id if session else "")

@@ -15,8 +15,9 @@ windows with rollbacks across their edges, before a service serves.
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import structlog
 import torch
@@ -58,6 +59,7 @@ class Forward:
     batched = True
     device = torch.device("cpu")
     store: BlockStore  # a paged forward's keys and values too; the fallback's books alone
+    _answers: torch.cuda.Stream | None = None  # `answering`'s stream, made on first use
 
     def __call__(self, rows: list[Row]) -> RowLogits:
         raise NotImplementedError
@@ -73,10 +75,35 @@ class Forward:
         """Wait until the device has run what the last call queued, so that a clock read after it
         times the forward: CUDA runs kernels asynchronously, and without this a forward's time is
         only its launch (the engine's metrics, the timing every step reports, and the start-up cost
-        curve that load-aware K prices rounds by). It costs no extra wait: the engine reads the
-        logits on the CPU right after."""
+        curve that load-aware K prices rounds by). It costs no extra wait: the logits are read right
+        after (the draft's on the engine's thread, the target's on the event loop's, `answering`)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def answering(self) -> contextlib.AbstractContextManager[None]:
+        """Where the event loop's thread reads finished logits (the target's argmax, sampled rows,
+        logprobs, the draft's rows): on CUDA, a stream of its own. On the default stream its kernels
+        would queue behind the next forward, which the engine's thread launches as soon as it has
+        ended the last one's jobs, and every answer would wait a forward. The logits it reads are
+        complete (`synchronize` ran before their jobs ended), so the stream waits on nothing; it is
+        synchronized on the way out, so no kernel of it still reads logits whose memory the next
+        forward may take. Elsewhere nothing changes."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._answers is None:
+            # From PyTorch's pool, created non-blocking: it does not wait for the legacy default stream
+            # the forwards run on. High priority: the answers' few small kernels go first.
+            self._answers = torch.cuda.Stream(self.device, priority=-1)
+        return _on_stream(self._answers)
+
+
+@contextlib.contextmanager
+def _on_stream(stream: torch.cuda.Stream) -> Iterator[None]:
+    with torch.cuda.stream(stream):
+        try:
+            yield
+        finally:
+            stream.synchronize()
 
 
 class PagedForward(Forward):

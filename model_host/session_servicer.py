@@ -358,6 +358,10 @@ class SessionServicer(abc.ABC, Generic[RequestT, ResponseT]):
             link.loop.call_soon_threadsafe(link.wake.set)
 
     def _answer_finished(self, link: Link) -> None:
+        with self.engine.forward.answering():  # the logits are read off the forwards' stream
+            self._answer_each(link)
+
+    def _answer_each(self, link: Link) -> None:
         finished = [
             (i, p, p.outcome.exception()) for i, p in link.take_finished() if link.running.get(i) is p
         ]  # not closed meanwhile

@@ -78,3 +78,10 @@ def test_the_script_runs_end_to_end_with_tiny_shapes(tmp_path: Path) -> None:
     assert report["meta"]["parameters"]["target"] > report["meta"]["parameters"]["close"]
     drafted = [r for r in report["rows"] if r["config"] == gpu.CLOSE_CONFIGS[2].name]
     assert all(r["draft_tokens_per_output_token"] > 0 for r in drafted)  # fixed K = 2 did speculate
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams: on a GPU host (make gpu-bench prints it too)")
+def test_an_answer_does_not_wait_for_the_next_forward() -> None:
+    # The control: on the default stream the read waits for the forward queued after the logits.
+    assert gpu.answer_waits_for_next_forward("cuda", answering=False)
+    assert not gpu.answer_waits_for_next_forward("cuda")
