@@ -58,6 +58,21 @@ class DraftJob(Job):
     confidences: list[float] = field(default_factory=list)  # [k] q(x), greedy steps too
     likely: list[list[tuple[int, float]]] = field(default_factory=list)  # [k][alternatives + 1]
     rows_scored: int = 0  # rows this job read (a forward's each): a guess's too
+    # The next row's token, q(token) and likeliest tokens, read with the forward's other rows
+    # (`read_rows`); None: `advance` reads its row itself.
+    prepared: tuple[int, float, list[tuple[int, float]]] | None = None
+
+    def reads_plain_row(self, width: int) -> bool:
+        """Whether this job's next row is read as it came from the forward: greedy, nothing masks it,
+        and a token is wanted from it (`read_rows` reads such rows together)."""
+        return (
+            self.params.greedy
+            and self.num_speculative_tokens > 0
+            and self.constraint is None
+            and self.ban is None
+            and self.shared is None
+            and not 0 < self.vocab_limit < width
+        )
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """The last row of `logits`, masked as the step's constraint, ban, vocab_limit and shared tokens
@@ -83,6 +98,16 @@ class DraftJob(Job):
 
     def advance(self, logits: torch.Tensor) -> list[int] | None:
         assert self.generator is not None
+        if self.prepared is not None:
+            token, confidence, likely = self.prepared
+            self.prepared = None
+            self.rows_scored += 1
+            self.position += 1
+            self.token_ids.append(token)
+            if self.alternatives:
+                self.confidences.append(confidence)
+                self.likely.append(likely)
+            return self._next_feed(token, confidence)
         row = self.masked(logits)
         if not self.params.greedy:
             self.rows.append(row)
@@ -95,6 +120,10 @@ class DraftJob(Job):
             self.token_probs.append(float(probs[token]))
         if self.alternatives:
             confidence = self._note_likely(row, probs, token)
+        return self._next_feed(token, confidence)
+
+    def _next_feed(self, token: int, confidence: float) -> list[int] | None:
+        """After drafting `token`: the token to feed back, or None where the block ends."""
         if len(self.token_ids) == self.num_speculative_tokens or confidence < self.min_confidence:
             return None
         constraint = self.constraint
@@ -115,6 +144,37 @@ class DraftJob(Job):
         return confidence
 
 
+def read_rows(fed: list[tuple[Job, torch.Tensor]]) -> None:
+    """The draft's next token at every plain greedy row a forward gave (`DraftJob.reads_plain_row`),
+    with its q and the likeliest tokens the speculation cache wants, in one argmax (and one softmax and
+    top-k) over all of them and one copy to the host, where each job read its row alone before: on a
+    GPU that was a few kernels and a wait for the device per row, between forwards. The engine's
+    `before_advance`; a job it leaves reads its row in `advance` as before. The same token as a job's
+    own read: the argmax of the same logits (a guess of the bonus token is an argmax too)."""
+    plain = [
+        (job, logits[-1])
+        for job, logits in fed
+        if isinstance(job, DraftJob)
+        and job.reads_plain_row(logits.shape[-1])
+        and (not isinstance(job, GuessingDraftJob) or job.guess >= 0 or job.rank == 1)
+    ]
+    if len(plain) < 2:
+        return
+    rows = torch.stack([row for _, row in plain])  # [B, vocab]
+    tokens = rows.argmax(dim=-1)  # [B]
+    top = max(job.alternatives for job, _ in plain)
+    confidences: list[float] = [1.0] * len(plain)
+    likely: list[list[tuple[int, float]]] = [[] for _ in plain]
+    if top or any(job.min_confidence > 0 for job, _ in plain):
+        probs = rows.float().softmax(dim=-1)  # [B, vocab]
+        confidences = probs.gather(1, tokens[:, None])[:, 0].tolist()
+        if top:
+            values, ids = probs.topk(min(top + 1, probs.shape[-1]), dim=-1)
+            likely = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    for (job, _), token, confidence, guesses in zip(plain, tokens.tolist(), confidences, likely, strict=True):
+        job.prepared = (token, confidence, guesses[: job.alternatives + 1])
+
+
 @dataclass(eq=False)
 class GuessingDraftJob(DraftJob):
     """A block drafted ahead for a wholly accepted block: feed its last draft token, guess the target's
@@ -127,8 +187,13 @@ class GuessingDraftJob(DraftJob):
     def advance(self, logits: torch.Tensor) -> list[int] | None:
         if self.guess >= 0:
             return super().advance(logits)
-        row = self.masked(logits)
-        self.guess = int(row.argmax()) if self.rank == 1 else int(row.topk(self.rank).indices[-1])
+        if self.prepared is not None:  # the argmax, read with the forward's other rows
+            self.guess, self.prepared = self.prepared[0], None
+            self.rows_scored += 1
+            self.position += 1
+        else:
+            row = self.masked(logits)
+            self.guess = int(row.argmax()) if self.rank == 1 else int(row.topk(self.rank).indices[-1])
         if self.constraint is not None:
             if self.constraint.is_eos(self.guess):
                 return None  # the structured output would end there: nothing to draft past it

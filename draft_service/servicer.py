@@ -18,7 +18,7 @@ import structlog
 import torch
 from transformers import AutoTokenizer
 
-from draft_service.jobs import DraftJob, GuessingDraftJob, TreeDraftJob
+from draft_service.jobs import DraftJob, GuessingDraftJob, TreeDraftJob, read_rows
 from draft_service.lean import LeanDraft
 from draft_service.speculation import SpeculationCache
 from draft_service.tree import Calibration, TreeBuilder
@@ -56,6 +56,7 @@ class DraftServicer(
         # session id -> (its steps so far, its last steps' (step number, params, [k, vocab] logit rows))
         self._rows: dict[str, tuple[int, deque[tuple[int, SamplingParams, torch.Tensor]]]] = {}
         super().__init__(loaded, config)
+        self.engine.before_advance = read_rows  # a forward's plain greedy rows, read together
         # Token trees: how often a node's child at each rank is kept, learnt from every session's verdicts,
         # and each session's last tree (its length before it, the tree, the rows it grew from).
         self.tree_calibration = Calibration(config.max_speculative_tokens)

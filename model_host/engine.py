@@ -113,6 +113,10 @@ class Engine:
         # Called in the engine's thread after each forward's jobs have ended (and after jobs fail outside
         # one): the servicer wakes its event loop once for all of them, not once a job.
         self.after_group: Callable[[], None] = lambda: None
+        # Called in the engine's thread with the jobs a forward's logits are about to advance, before
+        # any does: work over all their rows at once (the draft's next tokens), where each job would
+        # otherwise launch its own kernels and, on a GPU, wait for its own copy to the host.
+        self.before_advance: Callable[[list[tuple[Job, torch.Tensor]]], None] = lambda fed: None
         self._forward_seconds = 0.0  # running mean of one forward
         # Running means of the live (not speculative) rows and tokens of a forward: the load that work
         # done ahead must not delay (draft_service/speculation.py).
@@ -392,6 +396,7 @@ class Engine:
         self._batch_size.observe(len(rows))
         self._batch_tokens.observe(batch_tokens)
         self._engine_forward_seconds.observe(seconds)
+        fed: list[tuple[Job, torch.Tensor | None]] = []  # jobs whose feed is done, with their logits
         for (job, row), row_logits in zip(group, logits, strict=True):
             if job.queue_seconds < 0:
                 job.queue_seconds = started - job.submitted
@@ -402,8 +407,15 @@ class Engine:
             # A tree's tokens are dropped after the forward, but for the chain it keeps.
             job.start += row.kept if row.parents else len(row.token_ids)
             job.pending = job.pending[len(row.token_ids) :]
-            if job.pending:
-                continue  # the next chunk of a long feed
+            if not job.pending:  # else the next chunk of a long feed
+                fed.append((job, row_logits))
+        try:
+            rows_fed = [(job, row_logits) for job, row_logits in fed if row_logits is not None]
+            if rows_fed:
+                self.before_advance(rows_fed)
+        except Exception:  # each job then reads its own row (advance)
+            log.exception("before_advance_failed", role=self.role)
+        for job, row_logits in fed:
             try:
                 more = job.advance(row_logits) if row_logits is not None else None
             except Exception as exc:  # noqa: BLE001 - this job's own failure

@@ -368,3 +368,32 @@ def test_a_malformed_tree_step_fails_alone_and_the_forward_runs_the_others():
         assert all(row.slot == 0 for batch in forward.batches for row in batch)
     finally:
         engine.stop()
+
+
+def test_before_advance_sees_each_forwards_fed_jobs_and_a_failure_leaves_each_to_its_own_row():
+    forward = FakeForward(delay_s=0.05)
+    engine = _engine(forward, prefill_chunk_tokens=4)
+    seen: list[list[tuple[int, float]]] = []
+
+    def before_advance(fed: list[tuple[Job, torch.Tensor]]) -> None:
+        seen.append([(job.slot, float(logits[-1, 0])) for job, logits in fed])
+        if len(seen) == 1:
+            raise RuntimeError("boom")  # logged; the jobs advance on their own rows
+
+    engine.before_advance = before_advance
+    try:
+        blocker = engine.submit(Countdown(slot=9, start=0, pending=[1], num_logits=1))
+        time.sleep(0.005)  # the next two enter together, during the blocker's forward
+        short = Countdown(slot=0, start=3, pending=[7], num_logits=1)
+        long = Countdown(slot=1, start=0, pending=list(range(6)), num_logits=1)  # two chunks
+        short.more = 1
+        futures = [engine.submit(short), engine.submit(long)]
+        assert blocker.result(5) and all(f.result(5) for f in futures)
+        # The blocker's forward (its hook failed, it advanced all the same), then the short job with the long
+        # one's first chunk, which is not fed yet; then each with its last row.
+        assert seen[0] == [(9, 0.0)]
+        assert seen[1] == [(0, 3.0)]
+        assert sorted(seen[2]) == [(0, 4.0), (1, 5.0)]
+        assert short.last_logits is not None and float(short.last_logits[-1, 0]) == 4.0
+    finally:
+        engine.stop()
