@@ -4,7 +4,7 @@ import asyncio
 
 from orchestrator.app import serve
 from orchestrator.config import parse_orchestrator_config
-from orchestrator.servicer import PairMismatch
+from orchestrator.pair import PairMismatch
 from orchestrator.workers import run_workers, worker_count
 from serving.log_setup import configure_logging
 

@@ -97,7 +97,7 @@ def _worker(config: OrchestratorConfig, index: int) -> None:
     import asyncio
 
     from orchestrator.app import serve
-    from orchestrator.servicer import PairMismatch
+    from orchestrator.pair import PairMismatch
     from serving.log_setup import configure_logging
 
     configure_logging(config.log_level)

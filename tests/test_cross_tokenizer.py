@@ -17,7 +17,7 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from model_host.loading import LoadedModel
 from model_host.runtime import ModelServer
-from orchestrator.servicer import PairMismatch, check_pair, translation_for
+from orchestrator.pair import PairMismatch, check_pair, translation_for
 from orchestrator.translation import DraftContext, Translation
 from orchestrator.upstream import Context
 from serving.tensors import WireFormatError

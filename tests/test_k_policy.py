@@ -418,7 +418,7 @@ def test_a_draft_on_the_targets_cores_costs_every_session_waiting_on_the_target(
 
 def test_the_orchestrator_knows_when_the_draft_shares_the_targets_cores():
     from orchestrator.config import OrchestratorConfig
-    from orchestrator.servicer import one_host
+    from orchestrator.pair import one_host
 
     cpu, gpu = common_pb2.ModelInfo(device="cpu"), common_pb2.ModelInfo(device="cuda:0")
     modeled = common_pb2.ModelInfo(device="cpu", simulated_device=common_pb2.SimulatedDevice(profile="h100"))

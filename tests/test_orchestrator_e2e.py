@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from orchestrator.app import start_orchestrator
-from orchestrator.servicer import PairMismatch
+from orchestrator.pair import PairMismatch
 from specdec.v1 import orchestrator_pb2
 from tests.conftest import client_json, collect, hf_greedy, still_speculates, wait_until
 from tests.servers import OrchestratorThread, load, orchestrator_config, start_draft, start_target

@@ -15,7 +15,7 @@ from transformers import LlamaForCausalLM
 
 from model_host.loading import LoadedModel
 from model_host.runtime import ModelServer
-from orchestrator.servicer import PairMismatch, check_pair
+from orchestrator.pair import PairMismatch, check_pair
 from specdec.v1 import common_pb2, orchestrator_pb2
 from tests.conftest import collect, hf_greedy
 from tests.servers import OrchestratorThread, load, orchestrator_config, start_draft, start_target
