@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draft_service.tree import TreeBuilder
-from model_host.engine import Job
+from model_host.job import Job
 from serving.constraints import SessionConstraint, TokenBan, mask_logits
 from serving.logits import logits_to_probs, sample_index
 from serving.sampling import SamplingParams

@@ -23,8 +23,8 @@ from draft_service.lean import LeanDraft
 from draft_service.speculation import SpeculationCache
 from draft_service.tree import Calibration, TreeBuilder
 from model_host.config import ModelServiceConfig
-from model_host.engine import Job
 from model_host.forward import Forward, ModelNotServable
+from model_host.job import Job
 from model_host.loading import LoadedModel
 from model_host.session_servicer import SessionServicer
 from model_host.sessions import Session

@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 import structlog
 
 from draft_service.jobs import DraftJob, GuessingDraftJob
-from model_host.engine import Engine, Job
+from model_host.engine import Engine
+from model_host.job import Job
 from model_host.metrics import SPECULATION_ENTRIES, SPECULATION_HELD_TOKENS, SPECULATION_STEPS, SPECULATION_TOKENS
 from model_host.sessions import Session
 from serving.constraints import SessionConstraint

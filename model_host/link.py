@@ -12,7 +12,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from model_host.engine import Engine, Job
+from model_host.engine import Engine
+from model_host.job import Job
 from model_host.sessions import Session
 from serving.server import MESSAGE_BUDGET_BYTES
 from specdec.v1 import common_pb2

@@ -22,8 +22,8 @@ import grpc
 import structlog
 
 from model_host.config import ModelServiceConfig
-from model_host.engine import Job
 from model_host.forward import Forward, choose_forward
+from model_host.job import Job
 from model_host.link import Link, Pending, SlotLease, StepRequest, answers
 from model_host.loading import LoadedModel
 from model_host.metrics import FED_TOKENS, FORWARD_SECONDS, OPEN_SESSIONS, STEPS

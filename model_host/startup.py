@@ -12,8 +12,9 @@ import structlog
 
 from model_host.attention import AttentionLayout
 from model_host.config import ModelServiceConfig
-from model_host.engine import DEFAULT_OVERHEAD_TOKENS, Engine, EngineLimits
+from model_host.engine import DEFAULT_OVERHEAD_TOKENS, Engine
 from model_host.forward import Forward, check_lengths
+from model_host.job import EngineLimits
 from model_host.kv_blocks import BlockStore, blocks_for
 from model_host.kv_memory import PoolSize, pool_size
 from model_host.loading import LoadedModel

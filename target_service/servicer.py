@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from model_host.engine import Job
+from model_host.job import Job
 from model_host.session_servicer import SessionServicer
 from model_host.sessions import Session
 from serving.constraints import SessionConstraint, TokenBan, block_masks, mask_logits

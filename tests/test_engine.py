@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from model_host.batching import chunk_tokens, group_ends
-from model_host.engine import Engine, EngineLimits, Job
+from model_host.engine import Engine
 from model_host.forward import Forward, RowLogits
+from model_host.job import EngineLimits, Job
 from model_host.kv_blocks import BlockStore
 from model_host.profile import forward_costs, overhead_tokens, profile_shapes
 from model_host.rows import Row

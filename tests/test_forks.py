@@ -22,8 +22,9 @@ import pytest
 import torch
 
 from draft_service.lean import LeanDraft
-from model_host.engine import Engine, EngineLimits, Job
+from model_host.engine import Engine
 from model_host.forward import BatchedForward, Forward, SerialForward
+from model_host.job import EngineLimits, Job
 from model_host.kv_blocks import BlockStore
 from model_host.rows import Row
 from serving.errors import ServiceError
