@@ -147,8 +147,8 @@ class DraftJob(Job):
 def read_rows(fed: list[tuple[Job, torch.Tensor]]) -> None:
     """The draft's next token at every plain greedy row a forward gave (`DraftJob.reads_plain_row`),
     with its q and the likeliest tokens the speculation cache wants, in one argmax (and one softmax and
-    top-k) over all of them and one copy to the host, where each job read its row alone before: on a
-    GPU that was a few kernels and a wait for the device per row, between forwards. The engine's
+    top-k) over all of them, each read to the host once for every row, where each job read its row
+    alone before: on a GPU that was a few kernels and a wait for the device per row, between forwards. The engine's
     `before_advance`; a job it leaves reads its row in `advance` as before. The same token as a job's
     own read: the argmax of the same logits (a guess of the bonus token is an argmax too)."""
     plain = [
