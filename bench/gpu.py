@@ -30,12 +30,14 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -53,6 +55,7 @@ from bench.load import (
     summarise_load,
 )
 from default_models.prompts import held_out_prompts
+from draft_service.jobs import DraftJob, read_rows
 from model_host.forward import Forward
 from model_host.loading import LoadedModel
 from model_host.profile import PROFILE_PREFIX_TOKENS
@@ -187,6 +190,44 @@ def answer_waits_for_next_forward(device: str, answering: bool = True) -> bool:
     return waited
 
 
+def _read_rows(logits: list[torch.Tensor], alternatives: int, together: bool) -> None:
+    """One forward's greedy rows read by fresh draft jobs: each its own, or all at once first."""
+    jobs = [
+        DraftJob(0, 0, [], 1, generator=torch.Generator(), num_speculative_tokens=4, alternatives=alternatives)
+        for _ in logits
+    ]
+    if together:
+        read_rows(list(zip(jobs, logits, strict=True)))
+    for job, row in zip(jobs, logits, strict=True):
+        job.advance(row)
+
+
+def row_reading(
+    device: str, widths: Sequence[int], vocab: int, alternatives: int, repeats: int = 20
+) -> list[dict[str, Any]]:
+    """What the draft's engine spends between two forwards reading B greedy rows of `vocab` logits:
+    each job its own row (`DraftJob.advance`), against all of them at once (`read_rows`), with the
+    speculation cache's likeliest tokens (`alternatives`) or without. Medians over `repeats`, in µs a
+    forward, with the device synchronized before each clock read."""
+    cuda = device.startswith("cuda")
+    out = []
+    for width in widths:
+        logits = [torch.randn(1, vocab, device=device) for _ in range(width)]
+        times: dict[str, list[float]] = {"alone": [], "together": []}
+        for _ in range(repeats):
+            for name in times:
+                if cuda:
+                    torch.cuda.synchronize()
+                started = time.perf_counter()
+                _read_rows(logits, alternatives, together=name == "together")
+                if cuda:
+                    torch.cuda.synchronize()
+                times[name].append(time.perf_counter() - started)
+        medians = {name: 1e6 * statistics.median(values) for name, values in times.items()}
+        out.append({"rows": width, "vocab": vocab, "alternatives": alternatives, **medians})
+    return out
+
+
 def target_costs(address: str) -> list[tuple[int, float]]:
     """The target service's measured forward-cost curve: (batch tokens, seconds)."""
     with grpc.insecure_channel(address) as channel:
@@ -284,6 +325,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.device.startswith("cuda"):
             waits = answer_waits_for_next_forward(args.device)
             print(f"an answer read while the next forward runs waits for it: {'yes (a bug)' if waits else 'no'}")
+        reading = [
+            cell
+            for vocab in ((256,) if args.tiny else (len(tokenizer), 128_256))
+            for alternatives in (0, 2)
+            for cell in row_reading(args.device, (1, 8, 64), vocab, alternatives, repeats=3 if args.tiny else 20)
+        ]
+        print(
+            f"\nthe draft's greedy rows read between two forwards on {args.device}, µs a forward (medians): each job "
+            "its own, against all at once (read_rows)\n| rows | vocab | likeliest tokens | alone | together |\n"
+            "| --- | --- | --- | --- | --- |"
+        )
+        for cell in reading:
+            print(
+                f"| {cell['rows']} | {cell['vocab']} | {cell['alternatives']} | {cell['alone']:,.0f} | "
+                f"{cell['together']:,.0f} |"
+            )
         service_args = ["--device", args.device, "--dtype", dtype_name]
         samples: list[LoadSample] = []
         logs = args.out / "gpu-logs"
@@ -341,6 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             {
                 "meta": meta,
                 "forward_costs": costs,
+                "row_reading": reading,
                 "rows": rows,
                 "differing_outputs": differing,
                 "samples": samples_json,

@@ -76,6 +76,9 @@ def test_the_script_runs_end_to_end_with_tiny_shapes(tmp_path: Path) -> None:
     assert all(r["tokens_per_second"] > 0 for r in report["rows"])
     assert report["forward_costs"] and all(seconds > 0 for _, seconds in report["forward_costs"])
     assert report["meta"]["parameters"]["target"] > report["meta"]["parameters"]["close"]
+    reading = {(cell["rows"], cell["alternatives"]) for cell in report["row_reading"]}
+    assert reading == {(rows, alternatives) for rows in (1, 8, 64) for alternatives in (0, 2)}
+    assert all(cell["alone"] > 0 and cell["together"] > 0 for cell in report["row_reading"])
     drafted = [r for r in report["rows"] if r["config"] == gpu.CLOSE_CONFIGS[2].name]
     assert all(r["draft_tokens_per_output_token"] > 0 for r in drafted)  # fixed K = 2 did speculate
 

@@ -27,9 +27,10 @@ import grpc
 import pytest
 import torch
 
-from draft_service.jobs import GuessingDraftJob
+from draft_service.jobs import DraftJob, GuessingDraftJob, read_rows
 from draft_service.servicer import DraftServicer
 from draft_service.speculation import SpeculationCache
+from model_host.job import Job
 from model_host.loading import LoadedModel
 from model_host.runtime import ModelServer
 from serving.tensors import tensor_from_proto
@@ -43,11 +44,20 @@ SEED_BASE = 0x1234_5678_9ABC_DEF0
 _U64 = (1 << 64) - 1
 
 
-def _fan_out(server: ModelServer) -> None:
+def _fan_out(server: ModelServer) -> list[int]:
     """Price a forward as a GPU's memory-bound one, on a device of the draft's own: every candidate
-    verdict pays for its entry."""
+    verdict pays for its entry; and read a forward's greedy rows together, as a draft on a device does.
+    Returns the count of rows read together (one number, growing)."""
     server.servicer.engine.overhead_tokens = 1e6
     _cache(server).fans_out = True
+    together = [0]
+
+    def read_together(fed: list[tuple[Job, torch.Tensor]]) -> None:
+        read_rows(fed)
+        together[0] += sum(isinstance(job, DraftJob) and job.prepared is not None for job, _ in fed)
+
+    server.servicer.engine.before_advance = read_together
+    return together
 
 
 def _cache(server: ModelServer) -> SpeculationCache:
@@ -184,9 +194,9 @@ def test_a_step_answered_from_the_cache_drafts_ahead_in_turn(drafts, whole):
 def greedy_stack(target_model: LoadedModel, close_draft_model: LoadedModel):
     target = start_target(target_model)
     draft = start_draft(close_draft_model)
-    _fan_out(draft)
+    together = _fan_out(draft)
     orchestrator = OrchestratorThread(orchestrator_config(target, draft))
-    yield orchestrator, draft
+    yield orchestrator, draft, together
     orchestrator.stop()
     draft.stop()
     target.stop()
@@ -194,9 +204,9 @@ def greedy_stack(target_model: LoadedModel, close_draft_model: LoadedModel):
 
 @pytest.mark.parametrize("k", [4, 8])
 def test_greedy_outputs_are_the_targets_through_hits_and_misses(greedy_stack, target_model, k):
-    orchestrator, draft = greedy_stack
+    orchestrator, draft, together = greedy_stack
     cache = _cache(draft)
-    hits, misses = cache.counts.hits, cache.counts.misses
+    hits, misses, read = cache.counts.hits, cache.counts.misses, together[0]
     for prompt in ([5, 6, 7], [40, 41, 2, 9], [17, 3, 3, 3, 80], [90, 1]):
         request = orchestrator_pb2.GenerateRequest(
             token_ids=orchestrator_pb2.TokenIds(ids=prompt),
@@ -208,6 +218,7 @@ def test_greedy_outputs_are_the_targets_through_hits_and_misses(greedy_stack, ta
         assert ids == hf_greedy(target_model, prompt, 40), prompt
         assert last.stats.draft_fallback_rounds == 0
     assert cache.counts.hits > hits and cache.counts.misses > misses, cache.counts
+    assert together[0] > read  # the draft's rows were read together (draft_service/jobs.py: read_rows)
 
 
 # --- sampling: a vocabulary of 8, so that the distribution of generated tokens is computable ---------
