@@ -56,9 +56,10 @@ class DraftServicer(
         # session id -> (its steps so far, its last steps' (step number, params, [k, vocab] logit rows))
         self._rows: dict[str, tuple[int, deque[tuple[int, SamplingParams, torch.Tensor]]]] = {}
         super().__init__(loaded, config)
-        if torch.device(loaded.input_device).type != "cpu":
+        if torch.device(loaded.input_device).type != "cpu" or config.simulated_device:
             # A forward's plain greedy rows, read together: on a device each row's read waits for a copy
-            # to the host. Not on a CPU, where they cost as much or more together (docs/design.md).
+            # to the host (a modeled device stands for one, on one torch thread). Not on a CPU, where
+            # they cost as much or more together (docs/design.md).
             self.engine.before_advance = read_rows
         # Token trees: how often a node's child at each rank is kept, learnt from every session's verdicts,
         # and each session's last tree (its length before it, the tree, the rows it grew from).
