@@ -14,8 +14,9 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 import torch
 
-from serving.constraints import ConstraintSpec, Grammars, disjoint_branches, prepared_schema
+from serving.constraints import ConstraintSpec, Grammars
 from serving.errors import ServiceError
+from serving.json_schema import disjoint_branches, prepared_schema
 from tests.tiny_models import byte_tokenizer
 
 EOS = 256
