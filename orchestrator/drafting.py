@@ -9,12 +9,13 @@ import grpc
 import structlog
 import torch
 
+from orchestrator.context import Context
 from orchestrator.goodput import StepTimes
 from orchestrator.metrics import DRAFT_ROWS
 from orchestrator.proposals import NO_DRAFT, POINT_MASS_PROPOSERS, Draft, RowsAt, Stats, point_masses
 from orchestrator.requests import StepFields
 from orchestrator.translation import DraftContext
-from orchestrator.upstream import Context, DraftAvailability, SessionStream, is_draft_fault
+from orchestrator.upstream import DraftAvailability, SessionStream, is_draft_fault
 from orchestrator.verdicts import draft_row_from
 from serving.errors import ServiceError, unavailable
 from serving.tensors import WireFormatError

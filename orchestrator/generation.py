@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 import structlog
 
+from orchestrator.context import Context
 from orchestrator.drafting import Drafter, DraftStream
 from orchestrator.goodput import StepTimes
 from orchestrator.k_policy import KPolicy
@@ -39,7 +40,7 @@ from orchestrator.rejection import Verdict, acceptance_probability
 from orchestrator.requests import GenerationRequest, ModelLimits, StepFields, finish_of
 from orchestrator.round_plan import RoundPlan, RoundState, plan_round, side_k_for, still_valid
 from orchestrator.sampler import BatchSampler
-from orchestrator.upstream import Context, DraftAvailability
+from orchestrator.upstream import DraftAvailability
 from orchestrator.verifying import Checked, TargetStream, Verifier
 from serving.constraints import SessionConstraint
 from serving.errors import ServiceError
@@ -93,7 +94,7 @@ class Generation:
         self.limits = limits
         self.target = target
         self.policy = policy
-        self.sequence = list(request.prompt_token_ids)  # only ever grows (upstream.Context relies on it)
+        self.sequence = list(request.prompt_token_ids)  # only ever grows (context.Context relies on it)
         self.produced = 0
         self.round_seconds = 0.0  # the last round's wall time
         self.lookup: NgramIndex | None = None  # prompt lookup, for the ngram and hybrid methods

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.context import Context
 from orchestrator.proposals import MODEL
-from orchestrator.upstream import Context
 from serving.constraints import ConstraintSpec, TokenBan
 from serving.sampling import SamplingParams
 from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2

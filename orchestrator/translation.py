@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from orchestrator.upstream import Context
+from orchestrator.context import Context
 from serving.tensors import WireFormatError
 from serving.vocab import tokenizer_fingerprint
 from serving.vocab_map import VocabMap, ids_by_bytes, intersect, spell_longest, token_bytes

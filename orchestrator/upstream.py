@@ -15,11 +15,12 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar, overload
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 import structlog
 
+from orchestrator.context import Context
 from orchestrator.link import Link, LinkLost, LinkMessages, result_failure
 from orchestrator.routing import PrefixIndex, Route, preferred
 from orchestrator.step_timing import StepClock
@@ -230,39 +231,6 @@ class SessionMessage(Protocol):
 
 RequestT = TypeVar("RequestT", bound=SessionMessage)
 ResponseT = TypeVar("ResponseT", bound=SessionMessage)
-
-
-class Context(Sequence[int]):
-    """The tokens a step needs fed: the first `base_len` of a generation's sequence, which only ever
-    grows (so that prefix never changes), then `extra` (a block under verification). A step reads only
-    what it appends; nothing copies the sequence."""
-
-    __slots__ = ("base", "base_len", "extra")
-
-    def __init__(self, base: list[int], extra: Sequence[int] = (), base_len: int | None = None) -> None:
-        self.base = base
-        self.base_len = len(base) if base_len is None else base_len
-        self.extra = list(extra)
-
-    def __len__(self) -> int:
-        return self.base_len + len(self.extra)
-
-    @overload
-    def __getitem__(self, index: int) -> int: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[int]: ...
-
-    def __getitem__(self, index: int | slice) -> int | list[int]:
-        if isinstance(index, slice):
-            start, stop, stride = index.indices(len(self))
-            if stride != 1:
-                raise ValueError("a context is sliced with a step of 1")
-            head = self.base[start : min(stop, self.base_len)] if start < self.base_len else []
-            return head + self.extra[max(start - self.base_len, 0) : max(stop - self.base_len, 0)]
-        if index < 0:
-            index += len(self)
-        return self.base[index] if index < self.base_len else self.extra[index - self.base_len]
 
 
 @dataclass

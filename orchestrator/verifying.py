@@ -13,6 +13,7 @@ import grpc
 import structlog
 import torch
 
+from orchestrator.context import Context
 from orchestrator.drafting import Drafter
 from orchestrator.goodput import StepTimes
 from orchestrator.logprobs import entries_from_wire, entry_from_row
@@ -22,7 +23,7 @@ from orchestrator.rejection import CompactRound, Verdict, draw_uniforms, verify_
 from orchestrator.requests import StepFields
 from orchestrator.sampler import BatchSampler
 from orchestrator.tree import verify_tree_greedy
-from orchestrator.upstream import Context, SessionStream
+from orchestrator.upstream import SessionStream
 from orchestrator.verdicts import TargetDisagreement, check_sampled
 from serving.errors import ServiceError
 from serving.sampling import seeded_generator

@@ -17,9 +17,9 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from model_host.loading import LoadedModel
 from model_host.runtime import ModelServer
+from orchestrator.context import Context
 from orchestrator.pair import PairMismatch, check_pair, translation_for
 from orchestrator.translation import DraftContext, Translation
-from orchestrator.upstream import Context
 from serving.tensors import WireFormatError
 from serving.vocab_map import check_overlap, token_bytes
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2

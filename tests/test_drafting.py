@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from orchestrator.context import Context
 from orchestrator.drafting import Drafter
 from orchestrator.goodput import StepTimes
 from orchestrator.proposals import NO_DRAFT, Stats
-from orchestrator.upstream import Context
 from specdec.v1 import common_pb2, draft_pb2
 
 FLAT = [(1, 0.002), (8, 0.002)]  # the draft's start-up curve: 2 ms a forward

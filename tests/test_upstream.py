@@ -11,10 +11,11 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
+from orchestrator.context import Context
 from orchestrator.goodput import StepTimes
 from orchestrator.link import LinkMessages
 from orchestrator.step_timing import StepClock
-from orchestrator.upstream import Context, ReplicaPool, SessionStream
+from orchestrator.upstream import ReplicaPool, SessionStream
 from serving.errors import HANDLER_INTERNAL_PREFIX, ServiceError
 from specdec.v1 import common_pb2, target_pb2
 
