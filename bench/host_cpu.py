@@ -6,8 +6,9 @@ CPU REGIME, NEAR-NULL PAIR. The near-null pair (bench/null_pair.py: one layer of
 weights as target and draft) makes a forward cost about what a GPU's decode step costs relative to the
 hosts' own work, so what this bench reads is the serving stack's CPU: per process (target, draft,
 orchestrator, and the client, a lean grpc.aio client in a process of its own), CPU microseconds per
-generated token from /proc over the run, and the target's figure without its forwards (the engine's
-forward seconds from its metrics; one torch thread, so a forward's wall is its CPU).
+generated token from each process's CPU-time clock over the run (bench/load.py `_process_cpu`), and the
+target's figure without its forwards (the engine's forward seconds from its metrics; one torch thread,
+so a forward's wall is its CPU).
 
 Each stream sends 3 requests of 64 tokens back to back (token-id prompts, `ignore_eos`, greedy). Cells:
 the target alone (K = 0), fixed K = 4 and `load_aware` with K up to 4 (the orchestrator's default

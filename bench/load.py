@@ -329,9 +329,15 @@ def plot_load(rows: list[dict[str, float | str | int]], out: Path) -> Path:
 
 
 def _process_cpu(pid: int) -> float:
-    """CPU seconds (user + system) a process has used, all its threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds a process has used, all its threads (those that ended too), to the nanosecond: from the
+    process's CPU-time clock, whose id Linux derives from the pid (glibc's clock_getcpuclockid: CPUCLOCK_SCHED
+    for the whole process). /proc's user + system time counts 10 ms ticks, about 50 µs a token over a
+    cell of 200 tokens; it is the fallback where the clock cannot be read."""
+    try:
+        return time.clock_gettime(((~pid) << 3) | 2)
+    except OSError:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def scrape(port: int) -> str:

@@ -48,3 +48,30 @@ def test_each_cell_asks_for_its_own_policy(cell):
     requests = asyncio.run(run())
     assert len(requests) == 3 * REQUESTS_PER_STREAM
     assert {(r.num_speculative_tokens, r.speculation_policy) for r in requests} == {(k, POLICY_BY_NAME[policy])}
+
+
+def test_a_processs_cpu_is_read_to_well_under_procs_tick(monkeypatch):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from bench import load
+
+    # A child that spins for 0.3 s of CPU, then waits on stdin so that its times stay readable.
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+         "print(flush=True)\nsys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "\n"
+        precise = load._process_cpu(child.pid)
+        assert precise >= 0.3
+        assert round(precise * 1e9) % 10_000_000 != 0  # not counted in 10 ms ticks
+        monkeypatch.setattr(time, "clock_gettime", lambda clock: (_ for _ in ()).throw(OSError("no clock")))
+        ticks = load._process_cpu(child.pid)  # the fallback: /proc's user + system time, in ticks
+        assert abs(ticks - precise) <= 2 / os.sysconf("SC_CLK_TCK")
+    finally:
+        child.kill()
+        child.wait()
