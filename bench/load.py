@@ -329,10 +329,11 @@ def plot_load(rows: list[dict[str, float | str | int]], out: Path) -> Path:
 
 
 def _process_cpu(pid: int) -> float:
-    """CPU seconds a process has used, all its threads (those that ended too), to the nanosecond: from the
-    process's CPU-time clock, whose id Linux derives from the pid (glibc's clock_getcpuclockid: CPUCLOCK_SCHED
-    for the whole process). /proc's user + system time counts 10 ms ticks, about 50 µs a token over a
-    cell of 200 tokens; it is the fallback where the clock cannot be read."""
+    """CPU seconds a process has used, all its threads (those that ended too), to the nanosecond: from
+    the process's CPU-time clock, whose id Linux derives from the pid (as glibc's clock_getcpuclockid
+    does: CPUCLOCK_SCHED for the whole process). /proc's user + system time, counted in ticks too coarse
+    for a one-stream cell (README, "The hosts' CPU per token"), is the fallback where the clock cannot
+    be read."""
     try:
         return time.clock_gettime(((~pid) << 3) | 2)
     except OSError:

@@ -74,6 +74,14 @@ class DraftJob(Job):
             and not 0 < self.vocab_limit < width
         )
 
+    def take_prepared(self) -> tuple[int, float, list[tuple[int, float]]]:
+        """The row `read_rows` read for this job, which counts as read here (as `masked` counts one)."""
+        assert self.prepared is not None
+        prepared, self.prepared = self.prepared, None
+        self.rows_scored += 1
+        self.position += 1
+        return prepared
+
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """The last row of `logits`, masked as the step's constraint, ban, vocab_limit and shared tokens
         say, for the position it scores (which then moves on by one)."""
@@ -99,10 +107,7 @@ class DraftJob(Job):
     def advance(self, logits: torch.Tensor) -> list[int] | None:
         assert self.generator is not None
         if self.prepared is not None:
-            token, confidence, likely = self.prepared
-            self.prepared = None
-            self.rows_scored += 1
-            self.position += 1
+            token, confidence, likely = self.take_prepared()
             self.token_ids.append(token)
             if self.alternatives:
                 self.confidences.append(confidence)
@@ -152,11 +157,7 @@ def read_rows(fed: list[tuple[Job, torch.Tensor]]) -> None:
     `before_advance`; a job it leaves reads its row in `advance` as before. The same token as a job's
     own read: the argmax of the same logits (a guess of the bonus token is an argmax too)."""
     plain = [
-        (job, logits[-1])
-        for job, logits in fed
-        if isinstance(job, DraftJob)
-        and job.reads_plain_row(logits.shape[-1])
-        and (not isinstance(job, GuessingDraftJob) or job.guess >= 0 or job.rank == 1)
+        (job, logits[-1]) for job, logits in fed if isinstance(job, DraftJob) and job.reads_plain_row(logits.shape[-1])
     ]
     if len(plain) < 2:
         return
@@ -184,13 +185,15 @@ class GuessingDraftJob(DraftJob):
     guess: int = -1
     rank: int = 1  # the guess is the draft's rank-th most likely token there
 
+    def reads_plain_row(self, width: int) -> bool:
+        """As a DraftJob's, and a guess other than the likeliest token is no argmax: read alone."""
+        return super().reads_plain_row(width) and (self.guess >= 0 or self.rank == 1)
+
     def advance(self, logits: torch.Tensor) -> list[int] | None:
         if self.guess >= 0:
             return super().advance(logits)
         if self.prepared is not None:  # the argmax, read with the forward's other rows
-            self.guess, self.prepared = self.prepared[0], None
-            self.rows_scored += 1
-            self.position += 1
+            self.guess = self.take_prepared()[0]
         else:
             row = self.masked(logits)
             self.guess = int(row.argmax()) if self.rank == 1 else int(row.topk(self.rank).indices[-1])

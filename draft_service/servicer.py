@@ -56,10 +56,11 @@ class DraftServicer(
         # session id -> (its steps so far, its last steps' (step number, params, [k, vocab] logit rows))
         self._rows: dict[str, tuple[int, deque[tuple[int, SamplingParams, torch.Tensor]]]] = {}
         super().__init__(loaded, config)
-        if torch.device(loaded.input_device).type != "cpu" or config.simulated_device:
+        # A GPU of its own, or a modeled one standing for it: the model's inputs live off the host's CPU.
+        on_device = torch.device(loaded.input_device).type != "cpu" or bool(config.simulated_device)
+        if on_device:
             # A forward's plain greedy rows, read together: on a device each row's read waits for a copy
-            # to the host (a modeled device stands for one, on one torch thread). Not on a CPU, where
-            # they cost as much or more together (docs/design.md).
+            # to the host. Not on a CPU, where they cost as much or more together (docs/design.md).
             self.engine.before_advance = read_rows
         # Token trees: how often a node's child at each rank is kept, learnt from every session's verdicts,
         # and each session's last tree (its length before it, the tree, the rows it grew from).
@@ -79,8 +80,7 @@ class DraftServicer(
                 self.draft_job,
                 config.max_speculative_tokens,
                 loaded.max_context,
-                # A GPU of its own (or a modeled one): the model's inputs live off the host's CPU.
-                fans_out=torch.device(loaded.input_device).type != "cpu" or bool(config.simulated_device),
+                fans_out=on_device,
             )
 
     def make_forward(self) -> Forward:
